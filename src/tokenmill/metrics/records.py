@@ -1,0 +1,78 @@
+"""Plain records that cross from the engine core and the frontend into the metrics layer.
+
+Standard library only: these are built from primitive values (monotonic timestamps,
+counts) and never hold engine objects, so they pickle across a process boundary.
+
+Lifecycle of one request (one choice of an ``n``-way request), as events::
+
+    frontend: ARRIVED -> INPUT_PROCESSED ----------------------> EMITTED* -> FINISHED_EMITTED
+    core:                 QUEUED -> SCHEDULED -> PREFILLING -> NEW_TOKENS -> DECODING
+                                       ^          NEW_TOKENS* (PREEMPTED -> QUEUED -> SCHEDULED
+                                       |           -> PREFILLING -> ... again) -> FINISHED
+
+Every ``ts`` is ``time.monotonic()`` in the process that stamped it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class RequestEventType(enum.Enum):
+    # frontend
+    ARRIVED = "arrived"  # the request was received
+    INPUT_PROCESSED = "input_processed"  # tokenised and validated
+    EMITTED = "emitted"  # a chunk carrying ``num_tokens`` tokens was handed to the client
+    FINISHED_EMITTED = "finished_emitted"  # the last chunk/response was handed over
+    # engine core
+    QUEUED = "queued"  # entered the waiting queue (on arrival and after a preemption)
+    SCHEDULED = "scheduled"  # entered the running batch
+    PREFILLING = "prefilling"  # started computing tokens that precede its next output
+    DECODING = "decoding"  # its prefill is complete: each step now yields tokens
+    NEW_TOKENS = "new_tokens"  # ``num_tokens`` tokens committed in one step
+    PREEMPTED = "preempted"  # evicted from the batch; its KV blocks were freed
+    FINISHED = "finished"  # the core finished it, with ``finish_reason``
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEvent:
+    type: RequestEventType
+    ts: float
+    num_tokens: int = 0  # NEW_TOKENS and EMITTED: how many tokens
+    finish_reason: FinishReason | None = None  # FINISHED only
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """The scheduler's state after one step (gauges)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # used blocks / total blocks, 0..1
+    kv_cache_tokens_used: int  # used blocks * block size
+    num_tokens_waiting: int  # tokens waiting requests must compute, less expected cache hits
+    num_tokens_waiting_raw: int  # the same without the cache deduction
+
+
+@dataclass(frozen=True, slots=True)
+class IterationStats:
+    """What one engine step did (counters)."""
+
+    num_scheduled_tokens: int  # tokens computed by the forward pass (prompt chunks + decodes)
+    num_prompt_tokens: int  # prompt lengths of requests that committed their first token
+    num_cached_prompt_tokens: int  # of which served by the prefix cache
+    num_generation_tokens: int  # tokens committed to requests' outputs
+    batch_size: int  # requests in the step
+    step_time: float  # seconds: schedule + forward + update
+    forward_time: float  # seconds in the model's forward pass and sampler
+    num_preemptions: int
+    prefix_cache_queries: int  # tokens looked up in the prefix cache this step
+    prefix_cache_hits: int  # of which found cached

@@ -1,0 +1,91 @@
+"""Per-request sampling settings, named as in vLLM's ``SamplingParams``.
+
+Invariant: an instance that exists has passed ``validate()``; every bad value raises
+``InvalidParameterError`` naming the offending field, which the server turns into an
+HTTP 400 with an OpenAI error body and the CLI into a one-line message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+MAX_LOGPROBS = 20
+
+
+class InvalidParameterError(ValueError):
+    """A user-supplied value is out of range; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per token (0: only the sampled one)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, "n must be at least 1", "n")
+        _check(self.n <= 128, "n must be at most 128", "n")
+        _check(self.temperature >= 0.0, "temperature must be non-negative", "temperature")
+        _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", "top_p")
+        _check(self.top_k >= 0, "top_k must be -1 (disabled), 0 (disabled) or positive", "top_k")
+        _check(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", "min_p")
+        _check(-2.0 <= self.presence_penalty <= 2.0,
+               "presence_penalty must be in [-2, 2]", "presence_penalty")
+        _check(-2.0 <= self.frequency_penalty <= 2.0,
+               "frequency_penalty must be in [-2, 2]", "frequency_penalty")
+        _check(0.0 < self.repetition_penalty <= 2.0,
+               "repetition_penalty must be in (0, 2]", "repetition_penalty")
+        if self.max_tokens is not None:
+            _check(self.max_tokens >= 1, "max_tokens must be at least 1", "max_tokens")
+        _check(self.min_tokens >= 0, "min_tokens must be non-negative", "min_tokens")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens,
+                   "min_tokens must not exceed max_tokens", "min_tokens")
+        if self.logprobs is not None:
+            _check(0 <= self.logprobs <= MAX_LOGPROBS,
+                   f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
+        _check(all(isinstance(s, str) and s for s in self.stop),
+               "stop strings must be non-empty strings", "stop")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids must be non-negative integers", "stop_token_ids")
+
+    def for_child(self, index: int) -> SamplingParams:
+        """Settings for choice ``index`` of an ``n``-way request: n=1, and a distinct seed."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)
+
+
+def _check(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise InvalidParameterError(message, param)
