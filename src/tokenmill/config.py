@@ -1,0 +1,80 @@
+"""Engine settings, validated once at start-up.
+
+Every option has the CLI's name in snake_case (``--max-num-seqs`` -> ``max_num_seqs``),
+so ``LLM(**options)``, ``tokenmill serve --...`` and ``EngineConfig(...)`` agree.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+
+from tokenmill.sampling_params import InvalidParameterError
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
+               "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``4GiB``, ``512M``, ``1073741824`` (binary units)."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise InvalidParameterError(f"not a memory size: {text!r} (try 2GiB)", "kv_cache_memory")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # HF folder or GGUF file; None: the embedded SmolLM2
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None  # None: the model's context length, capped at 8192
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory
+    kv_cache_memory: str | int = "1GiB"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    max_num_queued_requests: int | None = None
+    max_num_queued_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def validate(self) -> None:
+        def positive(name: str, value: int | None, allow_none: bool = False) -> None:
+            if value is None and allow_none:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidParameterError(f"{name} must be a positive integer, got {value!r}",
+                                            name)
+
+        positive("block_size", self.block_size)
+        positive("max_num_seqs", self.max_num_seqs)
+        positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        positive("max_model_len", self.max_model_len, allow_none=True)
+        positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
+        positive("max_num_queued_requests", self.max_num_queued_requests, allow_none=True)
+        positive("max_num_queued_tokens", self.max_num_queued_tokens, allow_none=True)
+        if self.kv_cache_memory_bytes < 1:
+            raise InvalidParameterError("kv_cache_memory must be positive", "kv_cache_memory")
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise InvalidParameterError(f"unknown device {self.device!r}: auto, cpu or cuda[:N]",
+                                        "device")
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_model_len > self.max_num_batched_tokens):
+            raise InvalidParameterError(
+                "without chunked prefill, max_num_batched_tokens must be at least max_model_len",
+                "max_num_batched_tokens")
+
+    @property
+    def kv_cache_memory_bytes(self) -> int:
+        return parse_size(self.kv_cache_memory)

@@ -1,0 +1,85 @@
+"""The engine core: ``step() = schedule -> execute -> update``, plus add and abort.
+
+Synchronous and single-threaded: callers (the offline ``LLM`` or the server's engine
+thread) own the loop. Everything it returns is a frozen record, so the core could move
+to another process unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Protocol
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.kv_cache.manager import KVCacheManager
+from tokenmill.core.request import EngineCoreRequest, Request
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.types import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+from tokenmill.metrics.records import FinishReason, IterationStats
+
+
+class ModelExecutor(Protocol):
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: ModelExecutor, num_kv_blocks: int,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.executor = executor
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv, max_model_len)
+        self._pending: list[EngineCoreOutput] = []  # outputs of aborts, sent with the next step
+
+    def add_request(self, core_request: EngineCoreRequest) -> None:
+        if core_request.req_id in self.scheduler.requests:
+            raise ValueError(f"duplicate request id {core_request.req_id!r}")
+        self.scheduler.add_request(Request(core_request))
+
+    def abort_requests(self, req_ids: Iterable[str],
+                       reason: FinishReason = FinishReason.ABORT) -> None:
+        """Finish the requests now (blocks freed); their outputs go out with the next step."""
+        for request in self.scheduler.finish_requests(req_ids, reason):
+            self._pending.append(self.scheduler.make_output(request, ()))
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+
+    def step(self) -> EngineCoreOutputs:
+        start = time.monotonic()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            runner_output = ModelRunnerOutput(sampled={})
+        else:
+            runner_output = self.executor.execute(scheduler_output)
+        result = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs, self._pending = self._pending + result.outputs, []
+        num_preemptions, queries, hits = self.scheduler.take_step_counters()
+        iteration = None
+        if not scheduler_output.is_empty:
+            iteration = IterationStats(
+                num_scheduled_tokens=scheduler_output.num_scheduled_tokens,
+                num_prompt_tokens=result.num_prompt_tokens,
+                num_cached_prompt_tokens=result.num_cached_prompt_tokens,
+                num_generation_tokens=result.num_generation_tokens,
+                batch_size=len(scheduler_output.requests),
+                step_time=time.monotonic() - start,
+                forward_time=runner_output.forward_time,
+                num_preemptions=num_preemptions,
+                prefix_cache_queries=queries,
+                prefix_cache_hits=hits,
+            )
+        return EngineCoreOutputs(tuple(outputs), self.scheduler.make_stats(), iteration)
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        if not self.scheduler.has_unfinished_requests():
+            assert self.kv.pool.num_used_blocks == 0, "blocks held with no request running"
+            assert self.scheduler.num_tokens_waiting == 0 == self.scheduler.num_tokens_waiting_raw

@@ -1,0 +1,135 @@
+"""Per-request block tables on top of the block pool, and prefix-cache lookups.
+
+Block ``j`` of a request holds the KV values of its positions ``j*bs .. j*bs + bs - 1``::
+
+    all_token_ids:  [ b0: 0..bs-1 ][ b1: bs..2bs-1 ][ b2: partial ]
+    block table:    [   id 7      ][    id 3       ][   id 12     ]
+    block_hashes:   [ h0=H(None,b0)][ h1=H(h0,b1)  ]   (full blocks only)
+
+Only blocks whose tokens are all computed are entered into the prefix cache. A lookup
+never covers a request's last token: at least one token is always computed, so the
+step that finishes the prompt has logits to sample from.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from tokenmill.core.kv_cache.block_pool import BlockPool, KVBlock, hash_block
+from tokenmill.core.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be positive")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self._tables: dict[str, list[KVBlock]] = {}
+        self._num_cached_blocks: dict[str, int] = {}  # leading blocks already in the cache
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.num_used_blocks / self.pool.num_blocks
+
+    @property
+    def num_used_tokens(self) -> int:
+        return self.pool.num_used_blocks * self.block_size
+
+    def block_ids(self, req_id: str) -> tuple[int, ...]:
+        return tuple(b.block_id for b in self._tables.get(req_id, ()))
+
+    def _update_block_hashes(self, request: Request) -> None:
+        bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
+        while (len(hashes) + 1) * bs <= len(tokens):
+            j = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tuple(tokens[j * bs:(j + 1) * bs])))
+
+    def find_cached_blocks(self, request: Request) -> list[KVBlock]:
+        """The longest run of leading full blocks of ``request`` present in the cache."""
+        if not self.enable_prefix_caching:
+            return []
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        bs, tokens, found = self.block_size, request.all_token_ids, []
+        for j, block_hash in enumerate(request.block_hashes[:max_blocks]):
+            parent = request.block_hashes[j - 1] if j else None
+            block = self.pool.lookup(block_hash, (parent, tuple(tokens[j * bs:(j + 1) * bs])))
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int,
+                          cached_blocks: list[KVBlock] = ()) -> int:  # type: ignore[assignment]
+        """Free blocks that ``allocate`` would take (cache hits that are free count too)."""
+        have = len(self._tables.get(request.req_id, ())) + len(cached_blocks)
+        total = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        need = -(-total // self.block_size) - have
+        return max(need, 0) + sum(1 for b in cached_blocks if b.ref_count == 0)
+
+    def allocate(self, request: Request, num_new_tokens: int,
+                 cached_blocks: list[KVBlock] = ()) -> bool:  # type: ignore[assignment]
+        """Give ``request`` room for ``num_new_tokens`` more tokens; False if blocks run out.
+
+        ``cached_blocks`` (from ``find_cached_blocks``, for a request with nothing computed)
+        become the head of its table; the caller advances ``num_computed_tokens`` past them.
+        """
+        needed = self.num_blocks_needed(request, num_new_tokens, cached_blocks)
+        if needed > self.pool.num_free_blocks:
+            return False
+        table = self._tables.setdefault(request.req_id, [])
+        if cached_blocks:
+            assert not table, "cache hits only at the start of a table"
+            self.pool.touch(list(cached_blocks))
+            table.extend(cached_blocks)
+            self._num_cached_blocks[request.req_id] = len(cached_blocks)
+        total = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        missing = -(-total // self.block_size) - len(table)
+        if missing > 0:
+            table.extend(self.pool.allocate(missing))
+        return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Enter the request's newly completed full blocks into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables.get(request.req_id)
+        if not table:
+            return
+        self._update_block_hashes(request)
+        done = self._num_cached_blocks.get(request.req_id, 0)
+        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        bs, tokens, hashes = self.block_size, request.all_token_ids, request.block_hashes
+        for j in range(done, num_full):
+            key = (hashes[j - 1] if j else None, tuple(tokens[j * bs:(j + 1) * bs]))
+            self.pool.cache(table[j], hashes[j], key)
+        self._num_cached_blocks[request.req_id] = max(done, num_full)
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; the tail is freed first so it is evicted first."""
+        table = self._tables.pop(request.req_id, None)
+        self._num_cached_blocks.pop(request.req_id, None)
+        if table:
+            self.pool.free(list(reversed(table)))
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+        self._num_cached_blocks.clear()
+
+    def check_integrity(self) -> None:
+        """free + used == total, and every block's ref count equals the tables holding it."""
+        self.pool.check_integrity()
+        holders = Counter(b.block_id for table in self._tables.values() for b in table)
+        for block in self.pool.blocks:
+            assert block.ref_count == holders.get(block.block_id, 0), (
+                f"block {block.block_id}: ref_count {block.ref_count} != "
+                f"{holders.get(block.block_id, 0)} tables"
+            )

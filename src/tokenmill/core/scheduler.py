@@ -1,0 +1,312 @@
+"""The scheduler: which requests compute which tokens in the next step.
+
+One token budget per step (``max_num_batched_tokens``) is shared by all requests, at
+most ``max_num_seqs`` of them. Running requests are served first (decodes cost one
+token each; a prompt still being chunked takes what the budget leaves), then waiting
+requests join in arrival order. When blocks run out, the most recently arrived running
+request is preempted: its blocks are freed, its output is kept, and it goes back to the
+front of the waiting queue to be recomputed.
+
+Queue accounting (the tokens-waiting gauges) is kept as running sums that change only
+when a request enters or leaves the waiting queue; nothing walks the queue per step::
+
+    num_tokens_waiting_raw = sum over waiting r of (r.num_tokens - r.num_computed_tokens)
+    num_tokens_waiting     = the same, less each r's prefix-cache hit looked up on entry
+
+The scheduler is the only writer of Request state. It never touches torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.kv_cache.manager import KVCacheManager
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.types import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from tokenmill.metrics.records import FinishReason, RequestEventType, SchedulerStats
+
+
+@dataclass(slots=True)
+class StepResult:
+    """The outputs of one step's update, and the counts the iteration stats need."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    num_generation_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.max_model_len = max_model_len
+        self.kv = kv
+        self.requests: dict[str, Request] = {}
+        # NOTE: finished requests may linger in ``waiting`` (lazy removal on abort);
+        # ``num_waiting`` is the true count.
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_waiting = 0
+        self.num_tokens_waiting = 0
+        self.num_tokens_waiting_raw = 0
+        self._finished_req_ids: set[str] = set()
+        self._prefilling_groups: dict[str, int] = {}
+        # Per-step counters, reset by take_step_counters().
+        self.num_preemptions_in_step = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ----------------------------------------------------------------- queue
+    def add_request(self, request: Request) -> None:
+        self.requests[request.req_id] = request
+        self._enqueue(request, front=False)
+
+    def _enqueue(self, request: Request, front: bool) -> None:
+        request.status = RequestStatus.WAITING
+        request.queued_tokens_raw = request.num_tokens_to_compute
+        hit = len(self.kv.find_cached_blocks(request)) * self.kv.block_size
+        request.queued_tokens = request.queued_tokens_raw - hit
+        self.num_waiting += 1
+        self.num_tokens_waiting_raw += request.queued_tokens_raw
+        self.num_tokens_waiting += request.queued_tokens
+        request.record(RequestEventType.QUEUED)
+        (self.waiting.appendleft if front else self.waiting.append)(request)
+
+    def _leave_queue(self, request: Request) -> None:
+        self.num_waiting -= 1
+        self.num_tokens_waiting_raw -= request.queued_tokens_raw
+        self.num_tokens_waiting -= request.queued_tokens
+
+    # -------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        budget, preempted = self._schedule_running(budget, scheduled)
+        if not preempted:
+            self._schedule_waiting(budget, scheduled)
+        finished, self._finished_req_ids = frozenset(self._finished_req_ids), set()
+        return SchedulerOutput(tuple(self._describe(r, n) for r, n in scheduled), finished)
+
+    def _schedule_running(self, budget: int, out: list[tuple[Request, int]]) -> tuple[int, bool]:
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens_to_compute, budget)
+            while not self.kv.allocate(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                out.append((request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request itself was preempted: nothing after it runs either
+        return budget, preempted
+
+    def _schedule_waiting(self, budget: int, out: list[tuple[Request, int]]) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if request.is_finished:  # aborted while waiting
+                self.waiting.popleft()
+                continue
+            if request.group_id in self._prefilling_groups and self.kv.enable_prefix_caching:
+                break  # NOTE: wait for a sibling's prompt blocks to land in the prefix cache
+            cached = self.kv.find_cached_blocks(request)
+            num_cached = len(cached) * self.kv.block_size
+            num_new = request.num_tokens - num_cached
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.kv.allocate(request, num_new, cached):
+                break
+            self.waiting.popleft()
+            self._leave_queue(request)
+            self._count_cache_query(request, num_cached)
+            request.num_computed_tokens = num_cached
+            self._start_running(request)
+            out.append((request, num_new))
+            budget -= num_new
+
+    def _count_cache_query(self, request: Request, num_cached: int) -> None:
+        if not self.kv.enable_prefix_caching:
+            return
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_cached
+        if request.has_been_scheduled:
+            request.num_recomputed_tokens += request.num_tokens - num_cached
+        else:
+            request.num_cached_tokens = num_cached
+
+    def _start_running(self, request: Request) -> None:
+        now = time.monotonic()
+        request.status = RequestStatus.RUNNING
+        request.has_been_scheduled = True
+        request.is_prefilling = True
+        if request.group_id is not None:
+            self._prefilling_groups[request.group_id] = (
+                self._prefilling_groups.get(request.group_id, 0) + 1)
+        request.record(RequestEventType.SCHEDULED, now)
+        request.record(RequestEventType.PREFILLING, now)
+        self.running.append(request)
+
+    def _end_prefill(self, request: Request) -> None:
+        request.is_prefilling = False
+        group = request.group_id
+        if group is not None and group in self._prefilling_groups:
+            self._prefilling_groups[group] -= 1
+            if self._prefilling_groups[group] == 0:
+                del self._prefilling_groups[group]
+
+    def _preempt(self, request: Request) -> None:
+        if request.is_prefilling:
+            self._end_prefill(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_in_step += 1
+        request.record(RequestEventType.PREEMPTED)
+        self._enqueue(request, front=True)
+
+    def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        params = request.sampling_params
+        below_min = request.num_output_tokens < params.min_tokens
+        banned = frozenset()
+        if below_min:
+            banned = request.eos_token_ids | frozenset(params.stop_token_ids)
+        return ScheduledRequest(
+            req_id=request.req_id,
+            token_ids=tuple(request.all_token_ids[start:start + num_new]),
+            start_pos=start,
+            block_ids=self.kv.block_ids(request.req_id),
+            sample=start + num_new == request.num_tokens,
+            sampling_params=params,
+            prompt_token_ids=tuple(request.prompt_token_ids),
+            output_token_ids=tuple(request.output_token_ids),
+            mask_stop_tokens=banned,
+        )
+
+    # ---------------------------------------------------------------- update
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> StepResult:
+        """Advance every scheduled request past the computed tokens; commit sampled ones."""
+        result = StepResult()
+        now = time.monotonic()
+        for item in scheduler_output.requests:
+            request = self.requests.get(item.req_id)
+            if request is None:  # finished (aborted) while the step ran
+                continue
+            request.num_computed_tokens += len(item.token_ids)
+            request.model_forward_time += runner_output.forward_time
+            self.kv.cache_computed_blocks(request)
+            token_id = runner_output.sampled.get(item.req_id)
+            if token_id is None:
+                continue
+            request.append_output_token(token_id)
+            request.record(RequestEventType.NEW_TOKENS, now, num_tokens=1)
+            result.num_generation_tokens += 1
+            if request.is_prefilling:
+                self._end_prefill(request)
+                request.record(RequestEventType.DECODING, now)
+                if request.num_output_tokens == 1:
+                    result.num_prompt_tokens += request.num_prompt_tokens
+                    result.num_cached_prompt_tokens += request.num_cached_tokens
+            reason = self.check_stop(request)
+            if reason is not None:
+                self.running.remove(request)
+                self.finish(request, reason)
+            logprob = runner_output.logprobs.get(item.req_id)
+            result.outputs.append(self.make_output(request, (token_id,),
+                                                   (logprob,) if logprob else None))
+        return result
+
+    @staticmethod
+    def make_output(request: Request, new_token_ids: tuple[int, ...],
+                    new_logprobs: tuple | None = None) -> EngineCoreOutput:
+        finished = request.finish_reason is not None
+        return EngineCoreOutput(
+            req_id=request.req_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=new_logprobs,
+            events=request.take_events(),
+            finish_reason=request.finish_reason,
+            num_cached_tokens=request.num_cached_tokens,
+            num_preemptions=request.num_preemptions if finished else 0,
+            num_recomputed_tokens=request.num_recomputed_tokens if finished else 0,
+            model_forward_time=request.model_forward_time if finished else 0.0,
+        )
+
+    # ---------------------------------------------------------------- finish
+    def finish_requests(self, req_ids: Iterable[str], reason: FinishReason) -> list[Request]:
+        """Finish (abort) requests wherever they are; their blocks are freed at once."""
+        finished = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status is RequestStatus.WAITING:
+                self._leave_queue(request)  # the queue entry itself is dropped lazily
+            else:
+                self.running.remove(request)
+            self.finish(request, reason)
+            finished.append(request)
+        return finished
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        if request.is_prefilling:
+            self._end_prefill(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.record(RequestEventType.FINISHED, finish_reason=reason)
+        self.kv.free(request)
+        self._finished_req_ids.add(request.req_id)
+        del self.requests[request.req_id]
+
+    def check_stop(self, request: Request) -> FinishReason | None:
+        """Why the request stops after its newest token, if it does."""
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens and (
+                (not params.ignore_eos and last in request.eos_token_ids)
+                or last in params.stop_token_ids):
+            return FinishReason.STOP
+        if (request.num_output_tokens >= request.max_tokens
+                or request.num_tokens >= self.max_model_len):
+            return FinishReason.LENGTH
+        return None
+
+    # ----------------------------------------------------------------- stats
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or self.num_waiting > 0
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=self.num_waiting,
+            kv_cache_usage=self.kv.usage,
+            kv_cache_tokens_used=self.kv.num_used_tokens,
+            num_tokens_waiting=self.num_tokens_waiting,
+            num_tokens_waiting_raw=self.num_tokens_waiting_raw,
+        )
+
+    def take_step_counters(self) -> tuple[int, int, int]:
+        """(preemptions, prefix-cache queries, hits) since the last call."""
+        counters = (self.num_preemptions_in_step, self.prefix_cache_queries, self.prefix_cache_hits)
+        self.num_preemptions_in_step = self.prefix_cache_queries = self.prefix_cache_hits = 0
+        return counters

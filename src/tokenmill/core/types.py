@@ -1,0 +1,94 @@
+"""Plain records passed between the scheduler, the model runner and the engine's callers.
+
+``SchedulerOutput`` -> model runner -> ``ModelRunnerOutput`` -> scheduler ->
+``EngineCoreOutputs``. The last crosses to the frontend, so it holds only frozen,
+picklable values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.metrics.records import (
+    FinishReason,
+    IterationStats,
+    RequestEvent,
+    SchedulerStats,
+)
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    It computes ``token_ids`` at positions ``start_pos ..``; when ``sample`` is set those
+    tokens reach the end of the request's sequence and the last one's logits give its
+    next token.
+    """
+
+    req_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_ids: tuple[int, ...]  # the request's whole block table
+    sample: bool
+    sampling_params: SamplingParams
+    prompt_token_ids: tuple[int, ...]  # for penalties and seeding; read-only
+    output_token_ids: tuple[int, ...]
+    mask_stop_tokens: frozenset[int] = frozenset()  # banned while below min_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    requests: tuple[ScheduledRequest, ...]
+    finished_req_ids: frozenset[str]  # finished since the last step: drop their state
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRunnerOutput:
+    sampled: dict[str, int]  # req_id -> next token, for requests scheduled with sample=True
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    forward_time: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreOutput:
+    """What changed for one request in one step (new tokens and/or finished)."""
+
+    req_id: str
+    new_token_ids: tuple[int, ...]
+    new_logprobs: tuple[TokenLogprob, ...] | None
+    events: tuple[RequestEvent, ...]
+    finish_reason: FinishReason | None = None
+    num_cached_tokens: int = 0
+    # Set when finished:
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0
+    model_forward_time: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreOutputs:
+    outputs: tuple[EngineCoreOutput, ...]
+    scheduler_stats: SchedulerStats
+    iteration_stats: IterationStats | None  # None when the step ran nothing
