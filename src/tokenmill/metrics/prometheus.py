@@ -39,6 +39,7 @@ def _one_two_five(limit: int) -> tuple[float, ...]:
         scale *= 10
 
 
+# fmt: off
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
@@ -46,110 +47,109 @@ TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-TOKEN_COUNT_BUCKETS = _one_two_five(1_000_000)
 ITERATION_TOKEN_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0,
                            4096.0, 8192.0, 16384.0)
+# fmt: on
+TOKEN_COUNT_BUCKETS = _one_two_five(1_000_000)
 PREEMPTION_BUCKETS = (0.0, *_one_two_five(100))
 PARAMS_N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
 
 
 @dataclass(frozen=True, slots=True)
 class MetricSpec:
-    """One exported metric: ``key`` is how the record methods refer to it."""
+    """One exported metric; ``key`` is how the record methods refer to it."""
 
     key: str
     kind: type[prom.Gauge] | type[prom.Counter] | type[prom.Histogram]
     name: str
+    vllm_name: str | None
     doc: str
-    vllm_name: str | None = None
     label: str | None = None  # a second label besides model_name
     buckets: tuple[float, ...] = ()
 
 
 _G, _C, _H = prom.Gauge, prom.Counter, prom.Histogram
-_TM = "tokenmill_"
 
+# fmt: off
 METRICS: tuple[MetricSpec, ...] = (
     # gauges: the scheduler's state after the latest step
-    MetricSpec("running", _G, _TM + "num_requests_running",
-               "Requests in the running batch.", "vllm:num_requests_running"),
-    MetricSpec("waiting", _G, _TM + "num_requests_waiting",
-               "Requests in the waiting queue (new and preempted).", "vllm:num_requests_waiting"),
-    MetricSpec("kv_usage", _G, _TM + "kv_cache_usage_ratio",
-               "Used KV-cache blocks / total blocks (0..1).", "vllm:kv_cache_usage_perc"),
-    MetricSpec("kv_tokens", _G, _TM + "kv_cache_tokens_used",
+    MetricSpec("running", _G, "tokenmill_num_requests_running", "vllm:num_requests_running",
+               "Requests in the running batch."),
+    MetricSpec("waiting", _G, "tokenmill_num_requests_waiting", "vllm:num_requests_waiting",
+               "Requests in the waiting queue (new and preempted)."),
+    MetricSpec("kv_usage", _G, "tokenmill_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc",
+               "Used KV-cache blocks / total blocks (0..1)."),
+    MetricSpec("kv_tokens", _G, "tokenmill_kv_cache_tokens_used", None,
                "Used KV-cache blocks * block size (tokens)."),
-    MetricSpec("tokens_waiting", _G, _TM + "num_tokens_waiting",
+    MetricSpec("tokens_waiting", _G, "tokenmill_num_tokens_waiting", None,
                "Tokens waiting requests must compute before their next output, "
                "less expected prefix-cache hits."),
-    MetricSpec("tokens_waiting_raw", _G, _TM + "num_tokens_waiting_raw",
+    MetricSpec("tokens_waiting_raw", _G, "tokenmill_num_tokens_waiting_raw", None,
                "Tokens waiting requests must compute, without the prefix-cache deduction."),
     # counters: summed over engine steps
-    MetricSpec("prompt_tokens", _C, _TM + "prompt_tokens_total",
-               "Prompt tokens of requests that committed their first token.",
-               "vllm:prompt_tokens_total"),
-    MetricSpec("cached_prompt_tokens", _C, _TM + "prompt_tokens_cached_total",
-               "Prompt tokens served by the prefix cache."),
-    MetricSpec("generation_tokens", _C, _TM + "generation_tokens_total",
-               "Tokens committed to requests' outputs.", "vllm:generation_tokens_total"),
-    MetricSpec("preemptions", _C, _TM + "num_preemptions_total",
-               "Preemptions (a running request evicted to free KV blocks).",
-               "vllm:num_preemptions_total"),
-    MetricSpec("prefix_queries", _C, _TM + "prefix_cache_queries_total",
-               "Tokens looked up in the prefix cache.", "vllm:prefix_cache_queries_total"),
-    MetricSpec("prefix_hits", _C, _TM + "prefix_cache_hits_total",
-               "Looked-up tokens found in the prefix cache.", "vllm:prefix_cache_hits_total"),
-    MetricSpec("success", _C, _TM + "request_success_total",
-               "Finished requests by finish reason.", "vllm:request_success_total",
-               label="finished_reason"),
-    MetricSpec("rejections", _C, _TM + "admission_rejections_total",
-               "Requests refused with 503 by admission control, by the cap hit.",
-               label="reason"),
+    MetricSpec("prompt_tokens", _C, "tokenmill_prompt_tokens_total", "vllm:prompt_tokens_total",
+               "Prompt tokens of requests that committed their first token."),
+    MetricSpec("cached_prompt_tokens", _C, "tokenmill_prompt_tokens_cached_total", None,
+               "Of those prompt tokens, the ones served by the prefix cache."),
+    MetricSpec("generation_tokens", _C, "tokenmill_generation_tokens_total",
+               "vllm:generation_tokens_total", "Tokens committed to requests' outputs."),
+    MetricSpec("preemptions", _C, "tokenmill_num_preemptions_total",
+               "vllm:num_preemptions_total",
+               "Preemptions (a running request evicted to free KV blocks)."),
+    MetricSpec("prefix_queries", _C, "tokenmill_prefix_cache_queries_total",
+               "vllm:prefix_cache_queries_total", "Tokens looked up in the prefix cache."),
+    MetricSpec("prefix_hits", _C, "tokenmill_prefix_cache_hits_total",
+               "vllm:prefix_cache_hits_total", "Looked-up tokens found in the prefix cache."),
+    MetricSpec("success", _C, "tokenmill_request_success_total", "vllm:request_success_total",
+               "Finished requests by finish reason.", label="finished_reason"),
+    MetricSpec("rejections", _C, "tokenmill_admission_rejections_total", None,
+               "Requests refused with 503 by admission control, by the cap hit.", label="reason"),
     # histograms: one observation per finished request unless stated
-    MetricSpec("ttft", _H, _TM + "time_to_first_token_seconds",
-               "First token emitted - request arrived.", "vllm:time_to_first_token_seconds",
-               buckets=TTFT_BUCKETS),
-    MetricSpec("itl", _H, _TM + "inter_token_latency_seconds",
+    MetricSpec("ttft", _H, "tokenmill_time_to_first_token_seconds",
+               "vllm:time_to_first_token_seconds",
+               "First token emitted - request arrived.", buckets=TTFT_BUCKETS),
+    MetricSpec("itl", _H, "tokenmill_inter_token_latency_seconds",
+               "vllm:inter_token_latency_seconds",
                "Gap between token steps / tokens in the step (one sample per token).",
-               "vllm:inter_token_latency_seconds", buckets=TOKEN_LATENCY_BUCKETS),
-    MetricSpec("tpot", _H, _TM + "request_time_per_output_token_seconds",
-               "(Last emitted - first emitted) / (tokens - 1).",
-               "vllm:request_time_per_output_token_seconds", buckets=TOKEN_LATENCY_BUCKETS),
-    MetricSpec("e2e", _H, _TM + "e2e_request_latency_seconds",
-               "Last response handed over - request arrived.", "vllm:e2e_request_latency_seconds",
-               buckets=REQUEST_LATENCY_BUCKETS),
-    MetricSpec("queue", _H, _TM + "request_queue_time_seconds",
-               "First scheduled - first queued.", "vllm:request_queue_time_seconds",
-               buckets=REQUEST_LATENCY_BUCKETS),
-    MetricSpec("prefill", _H, _TM + "request_prefill_time_seconds",
-               "First token committed - first scheduled.", "vllm:request_prefill_time_seconds",
-               buckets=REQUEST_LATENCY_BUCKETS),
-    MetricSpec("decode", _H, _TM + "request_decode_time_seconds",
-               "Last token committed - first token committed.",
-               "vllm:request_decode_time_seconds", buckets=REQUEST_LATENCY_BUCKETS),
-    MetricSpec("inference", _H, _TM + "request_inference_time_seconds",
-               "Last token committed - first scheduled.", "vllm:request_inference_time_seconds",
-               buckets=REQUEST_LATENCY_BUCKETS),
-    MetricSpec("prompt_len", _H, _TM + "request_prompt_tokens",
-               "Prompt length of finished requests (tokens).", "vllm:request_prompt_tokens",
-               buckets=TOKEN_COUNT_BUCKETS),
-    MetricSpec("generation_len", _H, _TM + "request_generation_tokens",
-               "Generated length of finished requests (tokens).",
-               "vllm:request_generation_tokens", buckets=TOKEN_COUNT_BUCKETS),
-    MetricSpec("preemptions_per_request", _H, _TM + "request_num_preemptions",
+               buckets=TOKEN_LATENCY_BUCKETS),
+    MetricSpec("tpot", _H, "tokenmill_request_time_per_output_token_seconds",
+               "vllm:request_time_per_output_token_seconds",
+               "(Last emitted - first emitted) / (tokens - 1).", buckets=TOKEN_LATENCY_BUCKETS),
+    MetricSpec("e2e", _H, "tokenmill_e2e_request_latency_seconds",
+               "vllm:e2e_request_latency_seconds",
+               "Last response handed over - request arrived.", buckets=REQUEST_LATENCY_BUCKETS),
+    MetricSpec("queue", _H, "tokenmill_request_queue_time_seconds",
+               "vllm:request_queue_time_seconds",
+               "First scheduled - first queued.", buckets=REQUEST_LATENCY_BUCKETS),
+    MetricSpec("prefill", _H, "tokenmill_request_prefill_time_seconds",
+               "vllm:request_prefill_time_seconds",
+               "First token committed - first scheduled.", buckets=REQUEST_LATENCY_BUCKETS),
+    MetricSpec("decode", _H, "tokenmill_request_decode_time_seconds",
+               "vllm:request_decode_time_seconds",
+               "Last token committed - first token committed.", buckets=REQUEST_LATENCY_BUCKETS),
+    MetricSpec("inference", _H, "tokenmill_request_inference_time_seconds",
+               "vllm:request_inference_time_seconds",
+               "Last token committed - first scheduled.", buckets=REQUEST_LATENCY_BUCKETS),
+    MetricSpec("prompt_len", _H, "tokenmill_request_prompt_tokens", "vllm:request_prompt_tokens",
+               "Prompt length of finished requests (tokens).", buckets=TOKEN_COUNT_BUCKETS),
+    MetricSpec("generation_len", _H, "tokenmill_request_generation_tokens",
+               "vllm:request_generation_tokens",
+               "Generated length of finished requests (tokens).", buckets=TOKEN_COUNT_BUCKETS),
+    MetricSpec("preemptions_per_request", _H, "tokenmill_request_num_preemptions", None,
                "Preemptions a finished request went through.", buckets=PREEMPTION_BUCKETS),
-    MetricSpec("iteration_tokens", _H, _TM + "iteration_tokens",
+    MetricSpec("iteration_tokens", _H, "tokenmill_iteration_tokens", "vllm:iteration_tokens_total",
                "Tokens computed per engine step (prompt chunks + decodes).",
-               "vllm:iteration_tokens_total", buckets=ITERATION_TOKEN_BUCKETS),
-    MetricSpec("step_time", _H, _TM + "engine_step_seconds",
+               buckets=ITERATION_TOKEN_BUCKETS),
+    MetricSpec("step_time", _H, "tokenmill_engine_step_seconds", None,
                "Engine step duration: schedule + forward + update.", buckets=STEP_BUCKETS),
-    MetricSpec("params_n", _H, _TM + "request_params_n",
-               "The n parameter of API requests.", "vllm:request_params_n",
-               buckets=PARAMS_N_BUCKETS),
-    MetricSpec("params_max_tokens", _H, _TM + "request_params_max_tokens",
+    MetricSpec("params_n", _H, "tokenmill_request_params_n", "vllm:request_params_n",
+               "The n parameter of API requests.", buckets=PARAMS_N_BUCKETS),
+    MetricSpec("params_max_tokens", _H, "tokenmill_request_params_max_tokens",
+               "vllm:request_params_max_tokens",
                "The max_tokens parameter of API requests that set it.",
-               "vllm:request_params_max_tokens", buckets=TOKEN_COUNT_BUCKETS),
+               buckets=TOKEN_COUNT_BUCKETS),
 )
+# fmt: on
 
 _PRESET_LABELS = {
     "success": tuple(r.value for r in FinishReason),
