@@ -1,0 +1,97 @@
+"""SchedulerOutput -> tensors -> model -> sampler -> ModelRunnerOutput.
+
+Owns the device, the model and the paged KV cache tensors. It keeps no per-request
+state: seeded sampling derives its noise from (seed, output position), so preemption
+and recompute need nothing from here.
+
+The flat batch lays the scheduled requests' new tokens end to end::
+
+    input_ids:  | r0: token_ids | r1: token_ids | ... |
+    positions:  | start_pos ..  | start_pos ..  | ... |
+    logits are taken at the last token of every request scheduled with ``sample``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tokenmill.core.sampler import Sampler, SamplingBatch
+from tokenmill.core.types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.models.attention_metadata import AttentionMetadata
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                 num_kv_blocks: int, block_size: int, seed: int = 0) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        shape = model.kv_cache_shape(num_kv_blocks, block_size)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
+                          for _ in range(model.config.num_hidden_layers)]
+        self.sampler = Sampler()
+        self.vocab_size = model.config.vocab_size
+        torch.manual_seed(seed)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        start = time.monotonic()
+        with torch.inference_mode():
+            input_ids, positions, metadata, sample_rows = self._prepare(scheduler_output.requests)
+            hidden = self.model(input_ids, positions, metadata, self.kv_caches)
+            sampled: dict[str, int] = {}
+            logprobs = {}
+            if sample_rows:
+                rows = [index for index, _ in sample_rows]
+                items = [item for _, item in sample_rows]
+                logits = self.model.compute_logits(hidden[rows])
+                result = self.sampler(logits, self._sampling_batch(items))
+                for item, token_id, logprob in zip(items, result.token_ids, result.logprobs,
+                                                   strict=True):
+                    sampled[item.req_id] = token_id
+                    if logprob is not None:
+                        logprobs[item.req_id] = logprob
+        return ModelRunnerOutput(sampled, logprobs, forward_time=time.monotonic() - start)
+
+    def _prepare(self, requests: tuple[ScheduledRequest, ...]):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        query_lens, seq_lens, sample_rows = [], [], []
+        max_blocks = max(len(item.block_ids) for item in requests)
+        tables = []
+        for item in requests:
+            n = len(item.token_ids)
+            input_ids.extend(item.token_ids)
+            pos = range(item.start_pos, item.start_pos + n)
+            positions.extend(pos)
+            blocks = item.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
+            query_start_loc.append(query_start_loc[-1] + n)
+            query_lens.append(n)
+            seq_lens.append(item.start_pos + n)
+            tables.append(list(blocks) + [0] * (max_blocks - len(blocks)))
+            if item.sample:
+                sample_rows.append((query_start_loc[-1] - 1, item))
+        device = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=query_start_loc,
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_tables=torch.tensor(tables, dtype=torch.int64, device=device),
+            block_size=bs,
+        )
+        return (torch.tensor(input_ids, dtype=torch.int64, device=device),
+                torch.tensor(positions, dtype=torch.int64, device=device), metadata, sample_rows)
+
+    def _sampling_batch(self, items: list[ScheduledRequest]) -> SamplingBatch:
+        return SamplingBatch.build(
+            [item.sampling_params for item in items], self.vocab_size, self.device,
+            prompt_token_ids=[item.prompt_token_ids for item in items],
+            output_token_ids=[item.output_token_ids for item in items],
+            banned_token_ids=[item.mask_stop_tokens for item in items],
+        )

@@ -1,0 +1,81 @@
+"""Assemble a ready engine from an ``EngineConfig``: model, tokenizer, KV cache size,
+model runner, engine core and input processor."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.engine_core import EngineCore
+from tokenmill.core.model_runner import ModelRunner
+from tokenmill.frontend.processor import InputProcessor
+from tokenmill.models.config import ModelConfig
+from tokenmill.models.loader import load_model, model_name_for
+from tokenmill.platform import pick_device, resolve_dtype
+from tokenmill.sampling_params import InvalidParameterError
+from tokenmill.tokenizer.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger("tokenmill")
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass(slots=True)
+class Engine:
+    config: EngineConfig
+    core: EngineCore
+    tokenizer: Tokenizer
+    processor: InputProcessor
+    model_config: ModelConfig
+    model_name: str
+    max_model_len: int
+    device: torch.device
+    dtype: torch.dtype
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    device = pick_device() if config.device == "auto" else torch.device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    model, model_config = load_model(config.model, dtype, device)
+    tokenizer = load_tokenizer(config.model)
+    max_model_len = _max_model_len(config, model_config)
+    num_blocks = _num_kv_blocks(config, model_config, dtype, max_model_len)
+    runner = ModelRunner(model, device, dtype, num_blocks, config.block_size, seed=config.seed)
+    core = EngineCore(config, runner, num_blocks, max_model_len)
+    vocab_size = min(model_config.vocab_size, max(tokenizer.vocab_size, 1))
+    processor = InputProcessor(tokenizer, max_model_len, vocab_size)
+    logger.info("model %s on %s (%s): %d KV blocks of %d tokens, max_model_len %d",
+                model_name_for(config.model), device, str(dtype).removeprefix("torch."),
+                num_blocks, config.block_size, max_model_len)
+    return Engine(config, core, tokenizer, processor, model_config, model_name_for(config.model),
+                  max_model_len, device, dtype)
+
+
+def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    limit = model_config.max_position_embeddings
+    if config.max_model_len is None:
+        return min(limit, DEFAULT_MAX_MODEL_LEN)
+    if config.max_model_len > limit:
+        raise InvalidParameterError(
+            f"max_model_len {config.max_model_len} exceeds the model's context length {limit}",
+            "max_model_len")
+    return config.max_model_len
+
+
+def _num_kv_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+                   max_model_len: int) -> int:
+    """Blocks from --num-kv-blocks, else from --kv-cache-memory; at least one full sequence."""
+    bytes_per_block = (2 * config.block_size * model_config.num_key_value_heads
+                       * model_config.head_dim * model_config.num_hidden_layers
+                       * torch.finfo(dtype).bits // 8)
+    num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // bytes_per_block
+    needed = -(-max_model_len // config.block_size)
+    if num_blocks < needed:
+        raise InvalidParameterError(
+            f"the KV cache holds {num_blocks} blocks of {config.block_size} tokens, fewer than one "
+            f"sequence of max_model_len {max_model_len} needs ({needed}): raise "
+            "--kv-cache-memory / --num-kv-blocks or lower --max-model-len", "kv_cache_memory")
+    return num_blocks

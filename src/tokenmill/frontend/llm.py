@@ -1,0 +1,129 @@
+"""The offline API: ``LLM(model).generate(prompts, SamplingParams(...))``, as in vLLM.
+
+Runs the engine core synchronously on the calling thread; every prompt is submitted
+at once, so they are batched continuously like server traffic.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import fields
+
+from tokenmill.config import EngineConfig
+from tokenmill.frontend.builder import Engine, build_engine
+from tokenmill.frontend.outputs import ChoiceDelta, CompletionOutput, RequestOutput
+from tokenmill.frontend.request_state import ChoiceState
+from tokenmill.metrics.records import FinishReason, RequestEvent, RequestEventType
+from tokenmill.sampling_params import InvalidParameterError, SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **options) -> None:
+        known = {f.name for f in fields(EngineConfig)} - {"model"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise InvalidParameterError(
+                f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}",
+                unknown[0])
+        self.engine: Engine = build_engine(EngineConfig(model=model, **options))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in prompt order, with per-choice stats."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _broadcast(sampling_params, len(prompt_list))
+        results: dict[str, RequestOutput] = {}
+        choices: dict[str, tuple[RequestOutput, ChoiceState]] = {}
+        for prompt, params in zip(prompt_list, params_list, strict=True):
+            output, states = self._submit(prompt, params)
+            results[output.request_id] = output
+            for state in states:
+                choices[state.req_id] = (output, state)
+        for output, delta in self._run(choices):
+            output.outputs[delta.index].add(delta)
+        return list(results.values())
+
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
+             ) -> RequestOutput:
+        prompt_ids = self.engine.tokenizer.apply_chat_template(messages)
+        return self.generate([prompt_ids], sampling_params)[0]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+               ) -> Iterator[ChoiceDelta]:
+        """The deltas of one request as the engine produces them."""
+        output, states = self._submit(prompt, sampling_params or SamplingParams())
+        for _, delta in self._run({s.req_id: (output, s) for s in states}):
+            yield delta
+
+    def _submit(self, prompt: Prompt, params: SamplingParams
+                ) -> tuple[RequestOutput, list[ChoiceState]]:
+        arrival = time.monotonic()
+        processor = self.engine.processor
+        prompt_ids = processor.tokenize(prompt)
+        request_id = f"offline-{next(self._ids)}"
+        core_requests = processor.make_core_requests(request_id, prompt_ids, params, arrival)
+        frontend_events = [RequestEvent(RequestEventType.ARRIVED, arrival),
+                           RequestEvent(RequestEventType.INPUT_PROCESSED, time.monotonic())]
+        states = [ChoiceState(i, r.req_id, self.engine.tokenizer, prompt_ids, r.sampling_params,
+                              frontend_events) for i, r in enumerate(core_requests)]
+        for r in core_requests:
+            self.engine.core.add_request(r)
+        text = prompt if isinstance(prompt, str) else None
+        output = RequestOutput(request_id, text, prompt_ids,
+                               [CompletionOutput(i) for i in range(params.n)])
+        return output, states
+
+    def _run(self, choices: dict[str, tuple[RequestOutput, ChoiceState]]):
+        core = self.engine.core
+        pending = set(choices)
+        try:
+            while pending:
+                for out in core.step().outputs:
+                    if out.req_id not in choices:
+                        continue
+                    request_output, state = choices[out.req_id]
+                    request_output.num_cached_tokens = out.num_cached_tokens
+                    delta = state.process(out)
+                    if state.take_stop_request():
+                        core.abort_requests([out.req_id], FinishReason.STOP)
+                    if delta is None:
+                        continue
+                    if delta.finished:
+                        pending.discard(out.req_id)
+                    yield request_output, state.mark_emitted(delta)
+        finally:
+            if pending:  # the caller stopped early: free what is left
+                core.abort_requests(sorted(pending))
+                core.step()
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]
+    return items
+
+
+def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None,
+               count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise InvalidParameterError("one SamplingParams per prompt, or a single one",
+                                    "sampling_params")
+    return params

@@ -1,0 +1,84 @@
+"""Input processing: tokenise and validate a request, then split it into one engine
+request per choice.
+
+Invariant: every EngineCoreRequest it returns fits the model (prompt + max_tokens <=
+max_model_len, every token id inside the vocabulary), so the core never sees bad input.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from tokenmill.core.request import EngineCoreRequest
+from tokenmill.sampling_params import InvalidParameterError, SamplingParams
+from tokenmill.tokenizer.tokenizer import Tokenizer
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a text prompt, or a token-id prompt checked against the vocabulary."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidParameterError("prompt must not be empty", "prompt")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise InvalidParameterError("prompt must not be empty", "prompt")
+        for token_id in ids:
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or not (
+                    0 <= token_id < self.vocab_size):
+                raise InvalidParameterError(
+                    f"token id {token_id!r} is outside the vocabulary [0, {self.vocab_size})",
+                    "prompt")
+        return ids
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise InvalidParameterError(
+                f"the prompt has {num_prompt_tokens} tokens; this model's maximum context "
+                f"length is {self.max_model_len} tokens", "prompt")
+        if params.max_tokens is None:
+            return room
+        if params.max_tokens > room:
+            raise InvalidParameterError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"this model's maximum context length of {self.max_model_len} tokens",
+                "max_tokens")
+        return params.max_tokens
+
+    def make_core_requests(self, request_id: str, prompt_token_ids: list[int],
+                           params: SamplingParams,
+                           arrival_ts: float | None = None) -> list[EngineCoreRequest]:
+        max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params)
+        for token_id in params.stop_token_ids:
+            if token_id >= self.vocab_size:
+                raise InvalidParameterError(f"stop token id {token_id} is outside the vocabulary",
+                                            "stop_token_ids")
+        arrival_ts = time.monotonic() if arrival_ts is None else arrival_ts
+        prompt = tuple(prompt_token_ids)
+        eos = self.tokenizer.eos_token_ids
+        group = request_id if params.n > 1 else None
+        children = []
+        for index in range(params.n):
+            child = params.for_child(index)
+            child.max_tokens = max_tokens
+            children.append(EngineCoreRequest(
+                req_id=child_request_id(request_id, index, params.n),
+                prompt_token_ids=prompt,
+                sampling_params=child,
+                eos_token_ids=eos,
+                arrival_ts=arrival_ts,
+                group_id=group,
+            ))
+        return children
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{request_id}-{index}"

@@ -1,0 +1,111 @@
+"""Frontend state of one API request: its choices' detokenisers, stop strings, token
+counts and lifecycle events, turning engine-core outputs into ``ChoiceDelta``s.
+
+Invariant: a choice's ``num_output_tokens`` counts exactly the tokens whose text the
+client has been (or will be) sent; tokens the core commits after a stop string matched
+are dropped here, and the core is told to stop that choice.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from tokenmill.core.types import EngineCoreOutput
+from tokenmill.frontend.outputs import ChoiceDelta
+from tokenmill.metrics.records import FinishReason, RequestEvent, RequestEventType
+from tokenmill.metrics.stats import RequestStats, compute_request_stats
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer.detokenizer import IncrementalDetokenizer
+from tokenmill.tokenizer.tokenizer import Tokenizer
+
+
+class ChoiceState:
+    def __init__(self, index: int, req_id: str, tokenizer: Tokenizer, prompt_token_ids: list[int],
+                 params: SamplingParams, frontend_events: list[RequestEvent]) -> None:
+        self.index = index
+        self.req_id = req_id
+        self.params = params
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+        self.events = list(frontend_events)
+        self.num_output_tokens = 0
+        self.num_cached_tokens = 0
+        self.stop_reason: str | int | None = None
+        self.finished = False
+        self.final_output: EngineCoreOutput | None = None
+        self._stop_pending = False  # a stop string matched; the core has not been told yet
+
+    @property
+    def stopped_by_string(self) -> bool:
+        return self.detokenizer.stopped
+
+    def process(self, out: EngineCoreOutput) -> ChoiceDelta | None:
+        """The delta for one core output, or None when nothing reaches the client."""
+        self.events.extend(out.events)
+        self.num_cached_tokens = out.num_cached_tokens
+        token_ids: tuple[int, ...] = ()
+        text = ""
+        if not self.stopped_by_string and out.new_token_ids:
+            token_ids = out.new_token_ids
+            text = self.detokenizer.add_tokens(list(token_ids))
+            self.num_output_tokens += len(token_ids)
+            if self.stopped_by_string:
+                self.stop_reason = self.detokenizer.stop_reason
+                self._stop_pending = not out.finished
+        if not out.finished:
+            if not token_ids:
+                return None
+            return ChoiceDelta(self.index, text, token_ids, out.new_logprobs,
+                               self.num_output_tokens)
+        self.finished = True
+        self.final_output = out
+        reason = out.finish_reason
+        if self.stopped_by_string:
+            reason = FinishReason.STOP
+        else:
+            text += self.detokenizer.flush()
+            stop_ids = self.params.stop_token_ids
+            if reason is FinishReason.STOP and token_ids and token_ids[-1] in stop_ids:
+                self.stop_reason = token_ids[-1]
+        return ChoiceDelta(self.index, text, token_ids, out.new_logprobs if token_ids else None,
+                           self.num_output_tokens, finish_reason=reason.value,
+                           stop_reason=self.stop_reason)
+
+    def take_stop_request(self) -> bool:
+        """True once, when the core must be told to stop this choice (a stop string matched)."""
+        pending, self._stop_pending = self._stop_pending, False
+        return pending
+
+    def mark_emitted(self, delta: ChoiceDelta) -> ChoiceDelta:
+        """Stamp the hand-over of ``delta`` to the client; the final one gets its stats."""
+        now = time.monotonic()
+        if delta.token_ids:
+            self.events.append(RequestEvent(RequestEventType.EMITTED, now, len(delta.token_ids)))
+        if not delta.finished:
+            return delta
+        self.events.append(RequestEvent(RequestEventType.FINISHED_EMITTED, now))
+        return replace(delta, stats=self.compute_stats(delta.finish_reason))
+
+    def compute_stats(self, finish_reason: str | None) -> RequestStats:
+        final = self.final_output
+        events = sorted(self.events, key=lambda e: e.ts)
+        if finish_reason is not None:
+            events = [_with_reason(e, FinishReason(finish_reason)) for e in events]
+        return compute_request_stats(
+            events,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            num_recomputed_tokens=final.num_recomputed_tokens if final else 0,
+            num_preemptions=final.num_preemptions if final else 0,
+            model_forward_time=final.model_forward_time if final else 0.0,
+        )
+
+
+def _with_reason(event: RequestEvent, reason: FinishReason) -> RequestEvent:
+    """A stop string ends a choice as ``stop`` although the core saw an abort."""
+    if event.type is RequestEventType.FINISHED and event.finish_reason is not reason:
+        return replace(event, finish_reason=reason)
+    return event

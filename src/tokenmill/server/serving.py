@@ -1,0 +1,202 @@
+"""The completion and chat handlers: request -> engine -> SSE stream or JSON response.
+
+Usage accounting (SPEC section 2): per-chunk usage is cumulative for the chunk's
+choice; the final usage counts each prompt once and sums completion tokens over all
+choices. Every chunk of a choice carries at least one committed token, except its
+finish chunk when the choice ended without one (a stop string or an abort).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tokenmill.frontend.async_engine import AdmissionRejected, AsyncEngine, RequestStream
+from tokenmill.frontend.outputs import ChoiceDelta
+from tokenmill.frontend.processor import InputProcessor
+from tokenmill.metrics.prometheus import PrometheusMetrics
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.errors import APIError, error_body
+from tokenmill.server.formats import ChatFormat, CompletionFormat
+from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, _Common
+
+
+@dataclass(slots=True)
+class ServerOptions:
+    served_model_name: str
+    default_continuous_usage_stats: bool = False
+    api_key: str | None = None
+
+
+@dataclass(slots=True)
+class _Job:
+    """One API request in flight: its prompts, stream and running totals."""
+
+    response_id: str
+    created: int
+    stream: RequestStream
+    params: SamplingParams
+    prompt_ids: list[list[int]]
+    echo_texts: list[str] | None
+    completion_tokens: dict[int, int] = field(default_factory=dict)
+    cached_tokens: dict[int, int] = field(default_factory=dict)
+    metrics: dict[int, dict] = field(default_factory=dict)
+
+    def prompt_index(self, choice_index: int) -> int:
+        return choice_index // self.params.n
+
+    def usage(self) -> dict:
+        prompt = sum(len(p) for p in self.prompt_ids)
+        completion = sum(self.completion_tokens.values())
+        cached = sum(self.cached_tokens.get(i * self.params.n, 0)
+                     for i in range(len(self.prompt_ids)))
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def record(self, delta: ChoiceDelta, choice_cached_tokens: int) -> None:
+        self.completion_tokens[delta.index] = delta.num_output_tokens
+        self.cached_tokens[delta.index] = choice_cached_tokens
+        if delta.stats is not None:
+            self.metrics[delta.index] = {"index": delta.index, **delta.stats.to_dict()}
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, processor: InputProcessor,
+                 metrics: PrometheusMetrics, options: ServerOptions) -> None:
+        self.engine = engine
+        self.processor = processor
+        self.metrics = metrics
+        self.options = options
+        self.tokenizer = engine.tokenizer
+
+    # ---------------------------------------------------------------- entry
+    async def completions(self, body: CompletionRequest, request_id: str):
+        prompts = body.prompts()
+        prompt_ids = [self.processor.tokenize(p) for p in prompts]
+        echo = None
+        if body.echo:
+            echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
+        fmt = CompletionFormat(self.tokenizer)
+        return await self._serve(body, request_id, prompt_ids, echo, fmt)
+
+    async def chat(self, body: ChatCompletionRequest, request_id: str):
+        ids = self.tokenizer.apply_chat_template(body.message_dicts(),
+                                                 add_generation_prompt=body.add_generation_prompt)
+        return await self._serve(body, request_id, [self.processor.tokenize(ids)], None,
+                                 ChatFormat(self.tokenizer))
+
+    async def _serve(self, body: _Common, request_id: str, prompt_ids: list[list[int]],
+                     echo: list[str] | None, fmt: CompletionFormat):
+        self._check_model(body.model)
+        body.check_stream_options()
+        params = body.to_sampling_params()
+        arrival = time.monotonic()
+        core_requests = []
+        for i, ids in enumerate(prompt_ids):
+            rid = request_id if len(prompt_ids) == 1 else f"{request_id}-p{i}"
+            core_requests += self.processor.make_core_requests(rid, ids, params, arrival)
+        try:
+            stream = self.engine.add_request(request_id, core_requests, arrival)
+        except AdmissionRejected as rejected:
+            self.metrics.record_rejection(rejected.reason)
+            raise
+        self.metrics.record_request_params(params.n, core_requests[0].sampling_params.max_tokens)
+        job = _Job(fmt.id_prefix + request_id, int(time.time()), stream, params, prompt_ids, echo)
+        if body.stream:
+            return StreamingResponse(self._sse(job, body, fmt), media_type="text/event-stream")
+        return JSONResponse(await self._collect(job, body, fmt))
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.options.served_model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{self.options.served_model_name!r}", "model", "model_not_found")
+
+    # ------------------------------------------------------------ streaming
+    def _stream_flags(self, body: _Common) -> tuple[bool, bool, bool]:
+        opts = body.stream_options
+        default = self.options.default_continuous_usage_stats
+        include_usage = opts.include_usage if opts and opts.include_usage is not None else default
+        continuous = (opts.continuous_usage_stats if opts and opts.continuous_usage_stats
+                      is not None else default)
+        include_metrics = bool(opts and opts.include_metrics)
+        return bool(include_usage), bool(include_usage and continuous), include_metrics
+
+    async def _sse(self, job: _Job, body: _Common, fmt: CompletionFormat) -> AsyncIterator[str]:
+        include_usage, continuous, include_metrics = self._stream_flags(body)
+        started: set[int] = set()
+        head = {"id": job.response_id, "object": fmt.object_stream, "created": job.created,
+                "model": self.options.served_model_name}
+        async for delta in job.stream:
+            job.record(delta, job.stream.num_cached_tokens(delta.index))
+            if delta.finish_reason == "error":
+                event = error_body(500, job.stream.error or "the engine failed this request")
+                if include_usage:
+                    event["usage"] = job.usage()
+                yield _sse_data(event)
+                job.stream.abort()
+                break
+            text = delta.text
+            if job.echo_texts is not None and delta.index not in started:
+                text = job.echo_texts[job.prompt_index(delta.index)] + text
+            choice = fmt.stream_choice(delta.index, text, delta.logprobs, delta.finish_reason,
+                                       delta.stop_reason, delta.index not in started)
+            started.add(delta.index)
+            chunk = {**head, "choices": [choice]}
+            if continuous:
+                prompt = len(job.prompt_ids[job.prompt_index(delta.index)])
+                chunk["usage"] = {"prompt_tokens": prompt,
+                                  "completion_tokens": delta.num_output_tokens,
+                                  "total_tokens": prompt + delta.num_output_tokens}
+            yield _sse_data(chunk)
+        else:
+            if include_usage or include_metrics:
+                final = {**head, "choices": []}
+                if include_usage:
+                    final["usage"] = job.usage()
+                if include_metrics:
+                    final["metrics"] = [job.metrics[i] for i in sorted(job.metrics)]
+                yield _sse_data(final)
+        yield "data: [DONE]\n\n"
+
+    # --------------------------------------------------------- non-streaming
+    async def _collect(self, job: _Job, body: _Common, fmt: CompletionFormat) -> dict:
+        total = len(job.prompt_ids) * job.params.n
+        texts = [""] * total
+        logprobs: list[list | None] = [None] * total
+        finish: list[tuple[str | None, object]] = [(None, None)] * total
+        async for delta in job.stream:
+            job.record(delta, job.stream.num_cached_tokens(delta.index))
+            if delta.finish_reason == "error":
+                raise APIError(500, job.stream.error or "the engine failed this request")
+            texts[delta.index] += delta.text
+            if delta.logprobs is not None:
+                logprobs[delta.index] = (logprobs[delta.index] or []) + list(delta.logprobs)
+            if delta.finished:
+                finish[delta.index] = (delta.finish_reason, delta.stop_reason)
+        choices = []
+        for i in range(total):
+            text = texts[i]
+            if job.echo_texts is not None:
+                text = job.echo_texts[job.prompt_index(i)] + text
+            choices.append(fmt.full_choice(i, text, logprobs[i], *finish[i]))
+        response = {"id": job.response_id, "object": fmt.object_full, "created": job.created,
+                    "model": self.options.served_model_name, "choices": choices,
+                    "usage": job.usage()}
+        if body.include_metrics:
+            response["metrics"] = [job.metrics[i] for i in sorted(job.metrics)]
+        return response
+
+
+def _sse_data(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
