@@ -96,12 +96,13 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, tokenizer: Tokenizer, stat_sinks=(),
+    def __init__(self, core: EngineCore, tokenizer: Tokenizer, step_sinks=(), finished_sinks=(),
                  max_num_queued_requests: int | None = None,
                  max_num_queued_tokens: int | None = None) -> None:
         self.core = core
         self.tokenizer = tokenizer
-        self.stat_sinks = list(stat_sinks)
+        self.step_sinks = list(step_sinks)  # record_step(SchedulerStats, IterationStats | None)
+        self.finished_sinks = list(finished_sinks)  # record_finished(RequestStats)
         self.max_num_queued_requests = max_num_queued_requests
         self.max_num_queued_tokens = max_num_queued_tokens
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -172,7 +173,7 @@ class AsyncEngine:
 
     def on_choice_finished(self, stats: RequestStats | None) -> None:
         if stats is not None:
-            for sink in self.stat_sinks:
+            for sink in self.finished_sinks:
                 sink.record_finished(stats)
 
     # ----------------------------------------------------------- engine thread
@@ -215,7 +216,7 @@ class AsyncEngine:
         self._loop.call_soon_threadsafe(self._dispatch, outputs)
 
     def _dispatch(self, outputs: EngineCoreOutputs) -> None:
-        for sink in self.stat_sinks:
+        for sink in self.step_sinks:
             sink.record_step(outputs.scheduler_stats, outputs.iteration_stats)
         for out in outputs.outputs:
             stream = self._streams.get(out.req_id)

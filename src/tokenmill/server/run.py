@@ -20,7 +20,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     name = args.served_model_name or engine.model_name
     metrics = PrometheusMetrics(name, vllm_names=args.metrics_vllm_names)
     stat_logger = StatLogger(name, interval_s=args.log_interval)
-    async_engine = AsyncEngine(engine.core, engine.tokenizer, [metrics, stat_logger],
+    async_engine = AsyncEngine(engine.core, engine.tokenizer, [metrics, stat_logger], [metrics],
                                config.max_num_queued_requests, config.max_num_queued_tokens)
     options = ServerOptions(name, args.default_continuous_usage_stats, args.api_key)
     app = build_app(async_engine, engine.processor, metrics, options, engine.max_model_len,
