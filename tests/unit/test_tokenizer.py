@@ -149,6 +149,24 @@ def test_hf_folder_chat_template_from_jinja_file(tmp_path) -> None:
         [{"role": "user", "content": "hello"}]) == [4]
 
 
+def test_template_errors(tmp_path) -> None:
+    _write_tiny_hf_folder(tmp_path, chat_template_in_config=False)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"
+        "{{ messages[0]['content'] }}")
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.apply_chat_template([{"role": "user", "content": "hello"}]) == [4]
+    with pytest.raises(InvalidParameterError, match="user first") as info:
+        tok.apply_chat_template([{"role": "system", "content": "hello"}])
+    assert info.value.param == "messages"
+    broken = tmp_path / "broken"
+    _write_tiny_hf_folder(broken, chat_template_in_config=False)
+    (broken / "chat_template.jinja").write_text("{% for m in messages %}")
+    with pytest.raises(ValueError, match="not valid Jinja") as info:
+        load_tokenizer(str(broken)).apply_chat_template([{"role": "user", "content": "x"}])
+    assert not isinstance(info.value, InvalidParameterError)
+
+
 def test_missing_chat_template_is_a_clear_error(tmp_path) -> None:
     _write_tiny_hf_folder(tmp_path, chat_template_in_config=False)
     with pytest.raises(ValueError, match="no chat template"):

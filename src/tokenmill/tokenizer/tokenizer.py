@@ -85,6 +85,8 @@ class Tokenizer:
         try:
             return self.hf.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"{self.source}: the chat template is not valid Jinja: {e}") from e
         except jinja2.TemplateError as e:  # raise_exception() in a template: bad conversation
             raise InvalidParameterError(f"chat template rejected the messages: {e}",
                                         "messages") from e
