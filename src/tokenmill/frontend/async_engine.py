@@ -59,6 +59,7 @@ class RequestStream:
         self._queue: asyncio.Queue[ChoiceDelta] = asyncio.Queue()
         self._num_unfinished = len(choices)
         self.error: str | None = None  # why the engine ended this request, on finish "error"
+        self._closed = False  # the reader went away
 
     @property
     def finished(self) -> bool:
@@ -73,8 +74,17 @@ class RequestStream:
         delta = choice.process(out)
         if choice.take_stop_request():
             self.engine.abort_choices([out.req_id], FinishReason.STOP)
-        if delta is not None:
-            self._queue.put_nowait(delta)
+        if delta is None:
+            return
+        if self._closed:  # nobody reads any more: finish the accounting here
+            if delta.finished:
+                self._finish(choice.mark_emitted(delta))
+            return
+        self._queue.put_nowait(delta)
+
+    def _finish(self, delta: ChoiceDelta) -> None:
+        self._num_unfinished -= 1
+        self.engine.on_choice_finished(delta.stats)
 
     async def __aiter__(self) -> AsyncIterator[ChoiceDelta]:
         try:
@@ -82,12 +92,17 @@ class RequestStream:
                 item = await self._queue.get()
                 delta = self._by_index[item.index].mark_emitted(item)
                 if delta.finished:
-                    self._num_unfinished -= 1
-                    self.engine.on_choice_finished(delta.stats)
+                    self._finish(delta)
                 yield delta
         finally:
+            self._closed = True
             if self._num_unfinished:
                 self.abort()
+                # deltas already queued will never be read: account for the finished ones
+                while not self._queue.empty():
+                    item = self._queue.get_nowait()
+                    if item.finished:
+                        self._finish(self._by_index[item.index].mark_emitted(item))
 
     def abort(self) -> None:
         """Stop every unfinished choice (client gone); the core frees their blocks next step."""

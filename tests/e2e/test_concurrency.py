@@ -1,0 +1,71 @@
+"""Batched streaming: concurrent streams progress together; a client that goes away
+has its request aborted and its blocks freed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+from openai import AsyncOpenAI, AuthenticationError, OpenAI
+from server_process import ServerProcess
+
+
+def test_32_concurrent_streams_start_before_the_first_finishes(tiny_server) -> None:
+    async def one(client: AsyncOpenAI, i: int) -> tuple[float, float, int]:
+        stream = await client.completions.create(
+            model="tiny", prompt=f"Stream number {i} says", max_tokens=48, stream=True,
+            temperature=0.0, extra_body={"ignore_eos": True})
+        first = None
+        count = 0
+        async for chunk in stream:
+            if chunk.choices and first is None:
+                first = time.monotonic()
+            count += bool(chunk.choices)
+        return first, time.monotonic(), count
+
+    async def main():
+        client = AsyncOpenAI(base_url=tiny_server.base_url + "/v1", api_key="x", max_retries=0)
+        results = await asyncio.gather(*(one(client, i) for i in range(32)))
+        await client.close()
+        return results
+
+    results = asyncio.run(main())
+    assert all(count == 48 for _, _, count in results)
+    first_finish = min(end for _, end, _ in results)
+    started_before = sum(first < first_finish for first, _, _ in results)
+    assert started_before >= 28, started_before
+
+
+def test_client_disconnect_aborts_and_frees_blocks(tiny_server) -> None:
+    before = tiny_server.metrics()
+    with httpx.stream("POST", tiny_server.base_url + "/v1/completions", json={
+            "prompt": "A very long story", "max_tokens": 200, "ignore_eos": True,
+            "stream": True}, timeout=30) as response:
+        lines = response.iter_lines()
+        received = 0
+        while received < 3:
+            received += next(lines).startswith("data: ")
+    after = tiny_server.wait_idle()
+    aborted = "tokenmill_request_success_total{finished_reason=abort}"
+    assert after[aborted] == before[aborted] + 1
+    generated = (after["tokenmill_generation_tokens_total"]
+                 - before["tokenmill_generation_tokens_total"])
+    assert 3 <= generated < 200  # the aborted request's tokens still count
+
+
+def test_api_key_is_required_when_set(tiny_model) -> None:
+    server = ServerProcess(tiny_model, "--api-key", "s3cret")
+    try:
+        bad = OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0)
+        try:
+            bad.models.list()
+            raise AssertionError("expected 401")
+        except AuthenticationError as error:
+            assert error.status_code == 401
+        good = OpenAI(base_url=server.base_url + "/v1", api_key="s3cret", max_retries=0)
+        assert good.completions.create(model=good.models.list().data[0].id, prompt="hi",
+                                       max_tokens=2).usage.completion_tokens >= 1
+        assert httpx.get(server.base_url + "/health").status_code == 200  # not behind the key
+    finally:
+        server.stop()
