@@ -1,3 +1,26 @@
 """tokenmill: an LLM inference server with exact token accounting."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+if TYPE_CHECKING:
+    from tokenmill.frontend.llm import LLM
+    from tokenmill.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    """``LLM`` and ``SamplingParams`` load on first use, so light imports (the benchmark
+    client, ``tokenmill --version``) never pay for torch."""
+    if name == "LLM":
+        from tokenmill.frontend.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from tokenmill.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")
