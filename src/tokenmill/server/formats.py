@@ -16,6 +16,10 @@ class CompletionFormat:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
 
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Each token's own text, as OpenAI reports it (special tokens included)."""
+        return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+
     def stream_choice(self, index: int, text: str, logprobs: Sequence[TokenLogprob] | None,
                       finish_reason: str | None, stop_reason, first: bool) -> dict:
         return {"index": index, "text": text, "logprobs": self.logprobs(logprobs),
@@ -28,10 +32,10 @@ class CompletionFormat:
     def logprobs(self, entries: Sequence[TokenLogprob] | None) -> dict | None:
         if entries is None:
             return None
-        tokens = self.tokenizer.convert_ids_to_tokens([e.token_id for e in entries])
+        tokens = self.token_texts([e.token_id for e in entries])
         tops = []
         for entry in entries:
-            names = self.tokenizer.convert_ids_to_tokens([t for t, _ in entry.top])
+            names = self.token_texts([t for t, _ in entry.top])
             tops.append({name: lp for name, (_, lp) in zip(names, entry.top, strict=True)})
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": tops, "text_offset": []}
@@ -59,8 +63,8 @@ class ChatFormat(CompletionFormat):
             return None
         content = []
         for entry in entries:
-            [token] = self.tokenizer.convert_ids_to_tokens([entry.token_id])
-            names = self.tokenizer.convert_ids_to_tokens([t for t, _ in entry.top])
+            [token] = self.token_texts([entry.token_id])
+            names = self.token_texts([t for t, _ in entry.top])
             content.append({
                 "token": token, "logprob": entry.logprob, "bytes": list(token.encode()),
                 "top_logprobs": [{"token": name, "logprob": lp, "bytes": list(name.encode())}

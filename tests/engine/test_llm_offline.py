@@ -1,0 +1,111 @@
+"""The whole engine (scheduler + paged KV cache + model runner + sampler) against
+Hugging Face transformers' greedy search on the same weights, under every scheduling
+path: batching, chunked prefill, prefix caching and preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.metrics.records import FinishReason
+from tokenmill.sampling_params import InvalidParameterError
+
+NUM_TOKENS = 24
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 400) for _ in range(rng.randrange(3, 70))] for _ in range(count)]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+SCHEDULES = {
+    "default": {},
+    "chunked_prefill": {"max_num_batched_tokens": 16},
+    "preemption": {"num_kv_blocks": 12, "block_size": 4, "max_model_len": 48},
+    "no_prefix_cache": {"enable_prefix_caching": False, "max_num_seqs": 3},
+}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_greedy_tokens_equal_transformers(tiny_model, hf_greedy, schedule) -> None:
+    options = SCHEDULES[schedule]
+    llm = LLM(tiny_model, dtype="float32", **options)
+    batch = prompts(6)
+    if "max_model_len" in options:
+        batch = [p[:20] for p in batch]
+    outputs = llm.generate(batch, GREEDY)
+    for prompt, output in zip(batch, outputs, strict=True):
+        assert output.prompt_token_ids == prompt
+        assert output.outputs[0].token_ids == hf_greedy(prompt, NUM_TOKENS)
+    llm.engine.core.check_integrity()
+    if schedule == "preemption":
+        assert sum(o.outputs[0].stats.num_preemptions for o in outputs) > 0
+
+
+def test_prefix_cache_hit_keeps_output_identical(tiny_model, hf_greedy) -> None:
+    llm = LLM(tiny_model, dtype="float32", block_size=4)
+    shared = list(range(10, 50)) + [7] * 8  # 12 full blocks of 4
+    first = llm.generate([shared], GREEDY)[0]
+    second = llm.generate([shared + [9, 9]], GREEDY)[0]
+    assert first.outputs[0].stats.num_cached_tokens == 0
+    assert second.num_cached_tokens == 48
+    assert second.outputs[0].token_ids == hf_greedy(shared + [9, 9], NUM_TOKENS)
+
+
+def test_parallel_sampling_and_seeds(tiny_model) -> None:
+    llm = LLM(tiny_model, dtype="float32")
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
+    [a] = llm.generate(["Once upon a time"], params)
+    [b] = llm.generate(["Once upon a time"], params)
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1  # choices differ
+    # the seed fixes a request's tokens whatever else shares its batch
+    crowd = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)] * 4
+    mixed = llm.generate(["noise"] * 4 + ["Once upon a time"],
+                         [*crowd, SamplingParams(temperature=1.0, seed=11, max_tokens=12,
+                                                 ignore_eos=True)])
+    assert mixed[-1].outputs[0].token_ids == a.outputs[0].token_ids
+
+
+def test_stop_strings_and_stats(tiny_model) -> None:
+    llm = LLM(tiny_model, dtype="float32")
+    [full] = llm.generate(["The cat sat"], GREEDY)
+    text = full.outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip(), text
+    [cut] = llm.generate(["The cat sat"], SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS,
+                                                          ignore_eos=True, stop=[stop]))
+    assert cut.outputs[0].finish_reason == FinishReason.STOP.value
+    assert cut.outputs[0].text == text[:text.index(stop)]
+    assert cut.outputs[0].stop_reason == stop
+    stats = full.outputs[0].stats
+    assert stats.num_generation_tokens == NUM_TOKENS and stats.finish_reason is FinishReason.LENGTH
+    assert 0 <= stats.queue_time <= stats.time_to_first_token <= stats.e2e_latency
+    llm.engine.core.check_integrity()
+
+
+def test_abandoned_stream_frees_blocks(tiny_model) -> None:
+    llm = LLM(tiny_model, dtype="float32")
+    stream = llm.stream("abandon me", GREEDY)
+    next(stream)
+    stream.close()
+    llm.engine.core.check_integrity()
+    assert llm.engine.core.kv.pool.num_used_blocks == 0
+
+
+def test_bad_options_and_prompts_raise_clear_errors(tiny_model) -> None:
+    with pytest.raises(InvalidParameterError, match="max_num_seqs"):
+        LLM(tiny_model, max_num_seqs=0)
+    with pytest.raises(InvalidParameterError, match="unknown engine option"):
+        LLM(tiny_model, max_num_sequences=4)
+    llm = LLM(tiny_model, dtype="float32", max_model_len=64)
+    with pytest.raises(InvalidParameterError) as info:
+        llm.generate(["hi"], SamplingParams(max_tokens=100))
+    assert info.value.param == "max_tokens"
+    with pytest.raises(InvalidParameterError):
+        llm.generate([[1, 2, 10_000]], GREEDY)
+    llm.engine.core.check_integrity()
