@@ -17,6 +17,7 @@ TINY_VARIANTS = {
     "llama": ("llama", {}),
     "llama_untied": ("llama", {"tie_word_embeddings": False}),
     "llama3_rope": ("llama", {"rope_scaling": LLAMA3_ROPE}),
+    "linear_rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
     "qwen2": ("qwen2", {}),
 }
 

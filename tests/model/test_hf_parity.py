@@ -27,7 +27,7 @@ def hf_logits(model, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0].float()
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", [*VARIANTS, "linear_rope"])
 def test_prefill_logits_match_hf(tiny_model_dir, variant):
     ours, theirs = load_both(tiny_model_dir(variant))
     got = PagedRunner(ours).step([(0, PROMPT)], all_tokens=True)
@@ -38,8 +38,8 @@ def test_prefill_logits_match_hf(tiny_model_dir, variant):
 def test_greedy_decode_matches_hf(tiny_model_dir, variant):
     ours, theirs = load_both(tiny_model_dir(variant))
     ref = theirs.generate(
-        torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False, eos_token_id=None,
-        pad_token_id=0,
+        torch.tensor([PROMPT]), attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
+        max_new_tokens=24, do_sample=False, eos_token_id=None,
     )[0, len(PROMPT):].tolist()
     assert greedy_generate(ours, PROMPT, 24, chunk_size=6) == ref
 

@@ -1,0 +1,113 @@
+"""Write a tiny Hugging Face model folder as a GGUF file, the way llama.cpp's converter does.
+
+Independent of the loader under test: its own name table, and llama.cpp's own Q/K row
+permutation (``llama_cpp_permute``, copied from ``convert_hf_to_gguf.py``). Matrices are
+stored in the requested type, vectors (norms, biases) in F32, like llama.cpp.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+from safetensors.torch import load_file
+
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+GLOBAL_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+}
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def gguf_name(hf_name: str) -> str:
+    module, suffix = hf_name.rsplit(".", 1)
+    if module in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[module]}.{suffix}"
+    _, _, layer, rest = module.split(".", 3)
+    return f"blk.{layer}.{LAYER_NAMES[rest]}.{suffix}"
+
+
+def llama3_rope_factors(cfg: dict, head_dim: int) -> np.ndarray:
+    """The ``rope_freqs`` tensor llama.cpp writes for a llama3-scaled model."""
+    rope = cfg["rope_parameters"]
+    base, factor = rope["rope_theta"], rope["factor"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def write_gguf(
+    hf_dir: str, out_path: str, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+    arch: str = "llama", overrides: dict[str, GGMLQuantizationType] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Convert ``hf_dir`` into ``out_path``; returns the HF state dict *as stored* (each
+    matrix quantized and dequantized back), to load into a reference model."""
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg["hidden_size"] // n_head
+    writer = gguf.GGUFWriter(out_path, arch)
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    if cfg["rope_parameters"]["rope_type"] == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg, head_dim))
+    stored = {}
+    for name, tensor in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        data = tensor.float().numpy()
+        target = gguf_name(name)
+        kind = (overrides or {}).get(target, qtype if data.ndim == 2 else GGMLQuantizationType.F32)
+        packed = quantize(data, kind)
+        stored[name] = torch.from_numpy(dequantize(packed, kind).reshape(data.shape).copy())
+        if arch == "llama" and ".q_proj." in name:
+            packed = quantize(llama_cpp_permute(data, n_head), kind)
+        elif arch == "llama" and ".k_proj." in name:
+            packed = quantize(llama_cpp_permute(data, n_kv), kind)
+        writer.add_tensor(target, packed, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return stored
