@@ -98,6 +98,9 @@ def test_duration_run_cuts_requests_off_and_counts_their_tokens(standin, tmp_pat
         assert record.counting_method is CountingMethod.CONTINUOUS_USAGE
     assert result.summary.duration_s == pytest.approx(0.65, abs=0.05)
     assert result.summary.output_throughput == pytest.approx(12 / result.summary.duration_s)
+    # cut-off requests give TTFT and ITL samples, but no TPOT or E2EL
+    assert (result.summary.ttft_ms.count, result.summary.itl_ms.count) == (2, 2 * 5)
+    assert (result.summary.tpot_ms.count, result.summary.e2el_ms.count) == (0, 0)
 
 
 @pytest.mark.parametrize("fail, error", [("error@4", "error event: stand-in failed mid-stream"),
@@ -117,7 +120,7 @@ def test_failures_keep_partial_tokens_and_their_error(standin, tmp_path, fail, e
         assert record.output_tokens == (0 if fail == "http500" else 4)
     assert result.summary.num_failed == 2
     assert result.summary.total_output_tokens == 2 * 9 + sum(r.output_tokens for r in failed)
-    assert result.summary.ttft_ms.count == 2  # latencies come from ok requests only
+    assert result.summary.ttft_ms.count == 2  # failed requests give no latency samples
 
 
 def test_rejected_continuous_usage_falls_back_at_warm_up(standin):

@@ -1,9 +1,10 @@
 """PNG plots of a run (matplotlib, Agg canvas; no pyplot, no global backend state).
 
-- ``latency_cdf.png``: CDFs of TTFT, TPOT, ITL and E2EL over ok requests;
+- ``latency_cdf.png``: CDFs of TTFT, TPOT, ITL and E2EL over the same requests as
+  the figures (``stats.py``: TTFT and ITL include cut-off requests);
 - ``output_throughput.png``: output tokens/s over time, from every request's chunks
   (partial requests included), in bins of ``bin_s``;
-- ``ttft_vs_prompt.png``: TTFT against prompt length, one point per ok request.
+- ``ttft_vs_prompt.png``: TTFT against prompt length, one point per request with a TTFT.
 
 Bins: the run is cut into ``NUM_BINS`` bins of ``bin_s`` (at least ``MIN_BIN_S``)::
 
@@ -22,7 +23,9 @@ from matplotlib.figure import Figure
 
 NUM_BINS = 50
 MIN_BIN_S = 0.1
-LATENCY_KEYS = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2EL"))
+OK, TIMED = ("ok",), ("ok", "cut_off")
+LATENCY_KEYS = (("ttft_s", "TTFT", TIMED), ("tpot_s", "TPOT", OK), ("itl_s", "ITL", TIMED),
+                ("e2e_s", "E2EL", OK))
 
 
 def write_plots(result: dict, directory: str) -> list[str]:
@@ -41,15 +44,15 @@ def write_plots(result: dict, directory: str) -> list[str]:
     return paths
 
 
-def _ok(result: dict) -> list[dict]:
-    return [r for r in result["requests"] if r["status"] == "ok"]
+def _having(result: dict, statuses: tuple[str, ...]) -> list[dict]:
+    return [r for r in result["requests"] if r["status"] in statuses]
 
 
 def _latency_cdfs(fig: Figure, result: dict) -> None:
     axes = fig.subplots(2, 2).flat
-    for ax, (key, name) in zip(axes, LATENCY_KEYS, strict=True):
+    for ax, (key, name, statuses) in zip(axes, LATENCY_KEYS, strict=True):
         values = []
-        for r in _ok(result):
+        for r in _having(result, statuses):
             value = r[key]
             values.extend(value if isinstance(value, list) else [value])
         ms = sorted(v * 1000.0 for v in values if v is not None)
@@ -83,7 +86,7 @@ def _throughput_over_time(fig: Figure, result: dict) -> None:
 
 def _ttft_vs_prompt(fig: Figure, result: dict) -> None:
     points = [(r["prompt_tokens"], r["ttft_s"] * 1000.0)
-              for r in _ok(result) if r["ttft_s"] is not None]
+              for r in _having(result, TIMED) if r["ttft_s"] is not None]
     ax = fig.subplots()
     ax.scatter([p for p, _ in points], [t for _, t in points], s=12)
     ax.set_xlabel(f"prompt tokens ({result['info']['prompt_length_method']} or server usage)")

@@ -8,8 +8,11 @@ Definitions (latencies in milliseconds):
 - output throughput: output tokens of *all* requests (partial ones included) / duration;
 - total token throughput: (prompt tokens of requests that received a token, plus all
   output tokens) / duration;
-- TTFT, TPOT, ITL, E2EL: distributions over ok requests (see ``counting.py``); ITL
-  pools the per-token samples of all of them;
+- TTFT and ITL: over ok and cut-off requests (a duration run's cut-off requests are
+  its steady state; leaving them out would keep only the earliest ones). A cut-off
+  request that got no token has no TTFT. ITL pools the per-token samples;
+- TPOT and E2EL: over ok requests only (they need the request's end);
+- failed requests give no latency samples (their timing is that of the failure);
 - goodput: ok requests meeting every given SLO (TTFT, TPOT, E2EL <= limit) / duration;
   a request with fewer than 2 tokens has no TPOT and meets a TPOT SLO.
 
@@ -91,6 +94,7 @@ def summarize(records: list[RequestRecord], duration_s: float,
               slos_ms: dict[str, float]) -> Summary:
     assert duration_s > 0, "a run takes time"
     ok = [r for r in records if r.status is Status.OK]
+    timed = [r for r in records if r.status in (Status.OK, Status.CUT_OFF)]
     statuses = Counter(r.status for r in records)
     prompt_tokens = sum(r.prompt_tokens for r in records if r.status is Status.OK or r.chunks)
     output_tokens = sum(r.output_tokens for r in records)
@@ -106,9 +110,9 @@ def summarize(records: list[RequestRecord], duration_s: float,
         output_throughput=output_tokens / duration_s,
         total_token_throughput=(prompt_tokens + output_tokens) / duration_s,
         total_prompt_tokens=prompt_tokens, total_output_tokens=output_tokens,
-        ttft_ms=distribution([r.ttft_s for r in ok if r.ttft_s is not None]),
+        ttft_ms=distribution([r.ttft_s for r in timed if r.ttft_s is not None]),
         tpot_ms=distribution([r.tpot_s for r in ok if r.tpot_s is not None]),
-        itl_ms=distribution([s for r in ok for s in r.itl_s]),
+        itl_ms=distribution([s for r in timed for s in r.itl_s]),
         e2el_ms=distribution([r.e2e_s for r in ok]),
         goodput=goodput, goodput_slos_ms=dict(slos_ms),
         counting_method=overall, counting_methods=dict(methods),
