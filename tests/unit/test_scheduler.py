@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from fake_executor import (
     EOS,
     FakeExecutor,
@@ -87,8 +88,10 @@ def test_prefix_caching_disabled_gives_no_hits() -> None:
         assert outputs[-1].num_cached_tokens == 0
 
 
-def test_preemption_recomputes_and_never_restreams() -> None:
-    core = make_core(num_blocks=10, block_size=4)  # 40 token slots for 4 x ~20 tokens
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_preemption_recomputes_and_never_restreams(prefix_caching: bool) -> None:
+    # 40 token slots for 4 x ~20 tokens
+    core = make_core(num_blocks=10, block_size=4, enable_prefix_caching=prefix_caching)
     reqs = [make_request([i + 1] * 6, max_tokens=14) for i in range(4)]
     for r in reqs:
         core.add_request(r)

@@ -144,14 +144,13 @@ class Scheduler:
             budget -= num_new
 
     def _count_cache_query(self, request: Request, num_cached: int) -> None:
-        if not self.kv.enable_prefix_caching:
-            return
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_cached
-        if request.has_been_scheduled:
+        if request.has_been_scheduled:  # back from a preemption
             request.num_recomputed_tokens += request.num_tokens - num_cached
         else:
             request.num_cached_tokens = num_cached
+        if self.kv.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_cached
 
     def _start_running(self, request: Request) -> None:
         now = time.monotonic()
