@@ -41,7 +41,7 @@ class PrefillSeq:
     end: int
     seq_len: int
     blocks: torch.Tensor | None  # [ceil(seq_len / bs)] block ids; None when ctx == 0
-    mask: torch.Tensor | None  # [q_len, seq_len] bool (True = attend); None when ctx == 0
+    mask: torch.Tensor | None  # [q_len, seq_len] additive (0 or -inf); None when ctx == 0
 
 
 @dataclass(slots=True)
@@ -50,14 +50,16 @@ class AttentionPlan:
 
     slot_mapping: torch.Tensor  # [T]
     decode_token_idx: torch.Tensor | None  # [Bd] flat indices; None: every token is a decode
-    decode_blocks: torch.Tensor | None  # [Bd, nb]; None when there is no decode sequence
+    decode_block_ids: torch.Tensor | None  # [Bd * nb] row-major; None: no decode sequence
+    num_decode_seqs: int  # Bd
     decode_len: int  # L, the longest decode context
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, L] bool; None when all contexts are L long
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, L] additive; None: all contexts are L long
     prefills: list[PrefillSeq]
 
 
-def plan_attention(md: AttentionMetadata) -> AttentionPlan:
-    """Index tensors for one forward pass; host work only, O(batch) small tensors."""
+def plan_attention(md: AttentionMetadata, dtype: torch.dtype) -> AttentionPlan:
+    """Index tensors and masks for one forward pass; ``dtype``: the model's (masks are
+    additive, 0 where a key is visible and -inf elsewhere, the form SDPA uses natively)."""
     device = md.slot_mapping.device
     bs = md.block_size
     decode_rows = [i for i, q in enumerate(md.query_lens) if q == 1]
@@ -78,19 +80,21 @@ def plan_attention(md: AttentionMetadata) -> AttentionPlan:
         if min(lens) != decode_len:
             lens_t = torch.tensor(lens, dtype=torch.long, device=device)
             keys = torch.arange(decode_len, device=device)
-            decode_mask = (keys[None, :] < lens_t[:, None]).view(len(lens), 1, 1, decode_len)
-    prefills = [_plan_prefill(md, i) for i, q in enumerate(md.query_lens) if q > 1]
+            visible = (keys[None, :] < lens_t[:, None]).view(len(lens), 1, 1, decode_len)
+            decode_mask = _additive(visible, dtype)
+    prefills = [_plan_prefill(md, i, dtype) for i, q in enumerate(md.query_lens) if q > 1]
     return AttentionPlan(
         slot_mapping=md.slot_mapping,
         decode_token_idx=decode_idx,
-        decode_blocks=decode_blocks,
+        decode_block_ids=None if decode_blocks is None else decode_blocks.reshape(-1),
+        num_decode_seqs=len(decode_rows),
         decode_len=decode_len,
         decode_mask=decode_mask,
         prefills=prefills,
     )
 
 
-def _plan_prefill(md: AttentionMetadata, i: int) -> PrefillSeq:
+def _plan_prefill(md: AttentionMetadata, i: int, dtype: torch.dtype) -> PrefillSeq:
     start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
     seq_len = md.seq_lens[i]
     ctx = seq_len - (end - start)
@@ -99,8 +103,13 @@ def _plan_prefill(md: AttentionMetadata, i: int) -> PrefillSeq:
     device = md.slot_mapping.device
     blocks = md.block_tables[i, : -(-seq_len // md.block_size)]
     query_pos = torch.arange(ctx, seq_len, device=device)
-    mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
-    return PrefillSeq(start, end, seq_len, blocks, mask)
+    visible = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
+    return PrefillSeq(start, end, seq_len, blocks, _additive(visible, dtype))
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill_(~visible, float("-inf"))
 
 
 def paged_attention(
@@ -122,7 +131,7 @@ def paged_attention(
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, v)
 
     decode_out = None
-    if plan.decode_blocks is not None:
+    if plan.decode_block_ids is not None:
         decode_q = q if plan.decode_token_idx is None else q[plan.decode_token_idx]
         decode_out = _decode_attention(decode_q, kv_cache, plan, scale)
         if plan.decode_token_idx is None:
@@ -145,8 +154,9 @@ def _decode_attention(
     ``[Bd, heads * D]``."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
-    # [2, Bd, nb, bs, kvh, D] -> [2, Bd, L, kvh, D] -> k, v as [Bd, kvh, L, D] views
-    kv = kv_cache[:, plan.decode_blocks].flatten(2, 3)[:, :, : plan.decode_len]
+    # [2, Bd * nb, bs * kvh * D] -> [2, Bd, nb * bs, kvh, D] -> k, v as [Bd, kvh, L, D] views
+    kv = kv_cache.flatten(2).index_select(1, plan.decode_block_ids)
+    kv = kv.view(2, num_seqs, -1, num_kv_heads, head_dim)[:, :, : plan.decode_len]
     k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
     q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale)
@@ -161,18 +171,20 @@ def _prefill_attention(
     seq: PrefillSeq,
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention for one sequence's ``q_len`` new tokens -> ``[q_len, heads*D]``."""
+    """Causal attention for one sequence's ``q_len`` new tokens -> ``[q_len, heads*D]``.
+
+    NOTE: the tensors are 4-D ``[1, heads, len, D]``: with 3-D ones SDPA on CPU falls back
+    to its unfused path, ten times slower."""
     q_len = q.shape[0]
     if seq.blocks is None:
-        keys, values = k.transpose(0, 1), v.transpose(0, 1)
-        causal = True
+        keys, values = k, v
     else:
-        # [2, nb, bs, kvh, D] -> [2, seq_len, kvh, D]
-        kv = kv_cache[:, seq.blocks].flatten(1, 2)[:, : seq.seq_len]
-        keys, values = kv[0].transpose(0, 1), kv[1].transpose(0, 1)
-        causal = False
+        # [2, nb, bs * kvh * D] -> [2, seq_len, kvh, D]
+        kv = kv_cache.flatten(2).index_select(1, seq.blocks)
+        kv = kv.view(2, -1, *kv_cache.shape[3:])[:, : seq.seq_len]
+        keys, values = kv[0], kv[1]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys, values, attn_mask=seq.mask, is_causal=causal,
-        scale=scale, enable_gqa=True,
+        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale, enable_gqa=True,
     )
-    return out.transpose(0, 1).reshape(q_len, -1)
+    return out[0].transpose(0, 1).reshape(q_len, -1)

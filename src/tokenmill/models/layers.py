@@ -1,4 +1,4 @@
-"""Building blocks of a Llama layer: RMSNorm, rotary embedding, SiLU-gated MLP.
+"""Building blocks of a Llama layer: Linear, RMSNorm, rotary embedding, SiLU-gated MLP.
 
 Parameters are created uninitialised (``torch.empty``): every one of them is overwritten by
 the loader, and skipping random initialisation keeps loading a large model fast.
@@ -14,13 +14,60 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def empty_linear(
-    in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device
-) -> nn.Linear:
-    """An ``nn.Linear`` whose weights are left uninitialised (the loader fills them)."""
-    return nn.utils.skip_init(
-        nn.Linear, in_features, out_features, bias=bias, dtype=dtype, device=device
+class Linear(nn.Module):
+    """``y = x @ weight.T + bias``, with an optional oneDNN-packed weight for CPU inference.
+
+    ``prepack()`` (CPU, bfloat16/float16 only) replaces the weight by oneDNN's blocked
+    layout, which halves the time of small-batch products (decode) on CPUs with AMX or
+    AVX512-BF16, with bit-identical results. Invariant: after ``prepack`` the plain weight
+    is released (an empty tensor): the module computes, it no longer loads weights.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device)
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        )
+        self.packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def prepack(self) -> None:
+        self.packed = pack_weight(self.weight.data)
+        self.weight.data = self.weight.data.new_empty(0)
+
+
+def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether oneDNN weight packing applies: CPU, half precision, oneDNN built in."""
+    return (
+        device.type == "cpu"
+        and dtype in (torch.bfloat16, torch.float16)
+        and torch.backends.mkldnn.is_available()
     )
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [out, in]`` in oneDNN's layout for ``packed_linear`` (tuned for batch 1)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+
+
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
 
 
 class RMSNorm(nn.Module):
@@ -117,8 +164,8 @@ class GatedMLP(nn.Module):
         self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: torch.device
     ):
         super().__init__()
-        self.gate_up_proj = empty_linear(hidden_size, 2 * intermediate_size, False, dtype, device)
-        self.down_proj = empty_linear(intermediate_size, hidden_size, False, dtype, device)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, dtype, device)
+        self.down_proj = Linear(intermediate_size, hidden_size, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -22,10 +22,12 @@ from tokenmill.models.attention_metadata import AttentionMetadata
 from tokenmill.models.config import ModelConfig, ModelLoadError
 from tokenmill.models.layers import (
     GatedMLP,
+    Linear,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
-    empty_linear,
+    pack_weight,
+    packed_linear,
 )
 
 # Hugging Face projection name -> (our fused projection, shard index in it).
@@ -49,10 +51,10 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = empty_linear(
+        self.qkv_proj = Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype, device
         )
-        self.o_proj = empty_linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, device)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, device)
 
     def forward(
         self,
@@ -118,8 +120,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else empty_linear(config.hidden_size, config.vocab_size, False, dtype, device)
+            else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
         )
+        self.packed_tied_head: torch.Tensor | None = None
         q = config.num_attention_heads * config.head_dim
         kv = config.num_key_value_heads * config.head_dim
         inter = config.intermediate_size
@@ -144,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
         Also writes each layer's new keys/values into ``kv_caches`` at the metadata's slots.
         """
         assert len(kv_caches) == len(self.model.layers), "one KV cache tensor per layer"
-        plan = plan_attention(attn_metadata)
+        plan = plan_attention(attn_metadata, self.model.embed_tokens.weight.dtype)
         cos, sin = self.model.rotary_emb.cos_sin(positions)
         h = self.model.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
@@ -153,8 +156,21 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[N, V]`` for the hidden rows ``[N, H]`` to sample from."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.packed_tied_head is not None:
+            return packed_linear(hidden, self.packed_tied_head).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
+
+    def prepack(self) -> None:
+        """Switch every projection to oneDNN-packed weights (see ``layers.Linear``); call once,
+        after ``load_weights``, when ``layers.can_prepack`` holds. The tied output head gets
+        a packed copy of the embedding, which the token lookup still needs."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack()
+        if self.lm_head is None:
+            self.packed_tied_head = pack_weight(self.model.embed_tokens.weight.data)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the parameters (cast to their dtype/device).
