@@ -73,10 +73,20 @@ def test_hf_folder_with_sharded_safetensors(tiny_model_dir, tmp_path):
     weights = load_file(str(sharded / "model.safetensors"))
     os.remove(sharded / "model.safetensors")
     names = sorted(weights)
+    weight_map = {}
     for i, shard in enumerate((names[: len(names) // 2], names[len(names) // 2 :]), start=1):
-        shard_path = sharded / f"model-{i:05d}-of-00002.safetensors"
-        save_file({n: weights[n] for n in shard}, str(shard_path))
+        shard_name = f"model-{i:05d}-of-00002.safetensors"
+        save_file({n: weights[n] for n in shard}, str(sharded / shard_name))
+        weight_map.update(dict.fromkeys(shard, shard_name))
     assert_matches_reference(str(sharded), hf_dir)
+
+    # with an index, only the shards it lists are read (a stray file is ignored)
+    index = {"metadata": {}, "weight_map": weight_map}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    save_file({"unrelated.weight": torch.zeros(2)}, str(sharded / "consolidated.safetensors"))
+    assert_matches_reference(str(sharded), hf_dir)
+    os.remove(sharded / "model-00002-of-00002.safetensors")
+    expect_load_error(sharded, "model-00002-of-00002.safetensors", "not found")
 
 
 def expect_load_error(path, *fragments):

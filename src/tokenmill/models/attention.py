@@ -23,6 +23,9 @@ Sequences split into two groups:
   A sequence with no earlier context (``ctx == 0``) attends over its fresh k/v directly.
 
 The result is identical to full causal attention over each sequence's tokens (tested).
+
+NOTE: padded keys are read and then masked, so their weight is exactly 0, but 0 * NaN is NaN:
+the KV cache must hold finite values everywhere (allocate it with ``torch.zeros``).
 """
 
 from __future__ import annotations

@@ -94,10 +94,28 @@ def _open_hf_folder(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.T
             config = ModelConfig.from_hf_dict(json.load(f))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{config_path} is not valid JSON: {e}") from None
+    return config, _safetensors_weights(_safetensors_files(path))
+
+
+def _safetensors_files(path: str) -> list[str]:
+    """The shards named by ``model.safetensors.index.json`` if there is one (a folder may
+    hold other safetensors files too), else every ``*.safetensors`` file."""
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, AttributeError) as e:
+            raise ModelLoadError(f"{index_path} is not a valid weight index: {e!r}") from None
+        files = [os.path.join(path, shard) for shard in shards]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise ModelLoadError(f"weight shard listed in {index_path} not found: {missing[0]}")
+        return files
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors weight files")
-    return config, _safetensors_weights(files)
+    return files
 
 
 def _safetensors_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
