@@ -59,8 +59,10 @@ def _serve_parser(sub) -> None:
                    help="streams without stream_options get usage on every chunk")
     p.add_argument("--metrics-vllm-names", action="store_true",
                    help="also export metrics under vLLM's names")
-    p.add_argument("--log-interval", type=float, default=10.0,
-                   help="seconds between throughput log lines")
+    p.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between the summary lines in the log")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no summary lines, and no engine or request stats in /metrics")
     add_engine_options(p)
     p.set_defaults(func=_run_serve)
 

@@ -263,7 +263,7 @@ def test_log_line_reports_rates_gauges_and_hit_rate(caplog):
         assert log.maybe_log(10.0)
     assert [r.getMessage() for r in caplog.records] == [
         "smollm2: prompt 6.4 tok/s, generation 1.0 tok/s, running 4 reqs, waiting 2 reqs, "
-        "tokens waiting 1024, KV cache 37.5%, prefix cache hit rate 33.3%"
+        "tokens waiting 1024, KV cache 37.5%, prefix cache hit rate 33.3%, preemptions 2"
     ]
 
 

@@ -4,7 +4,7 @@
 ``interval_s`` with rates over the interval just ended and the latest gauges::
 
     smollm2: prompt 512.0 tok/s, generation 87.5 tok/s, running 4 reqs, waiting 2 reqs,
-    tokens waiting 1024, KV cache 37.5%, prefix cache hit rate 50.0%
+    tokens waiting 1024, KV cache 37.5%, prefix cache hit rate 50.0%, preemptions 0
 
 (one line in the log; wrapped here). The hit rate is over the interval's lookups
 ("n/a" when there were none). An idle engine logs one idle line, then stays quiet until
@@ -54,6 +54,7 @@ class StatLogger:
         self._generation_tokens = 0
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._preemptions = 0
 
     def record_step(self, scheduler: SchedulerStats, iteration: IterationStats | None) -> None:
         """Keep the latest gauges; add the step's counts to the current interval."""
@@ -63,6 +64,7 @@ class StatLogger:
             self._generation_tokens += iteration.num_generation_tokens
             self._prefix_queries += iteration.prefix_cache_queries
             self._prefix_hits += iteration.prefix_cache_hits
+            self._preemptions += iteration.num_preemptions
 
     def maybe_log(self, now: float) -> bool:
         """Log the summary if ``interval_s`` has passed since the last one; True if it did."""
@@ -91,5 +93,6 @@ class StatLogger:
             f"generation {self._generation_tokens / elapsed:.1f} tok/s, "
             f"running {s.num_running} reqs, waiting {s.num_waiting} reqs, "
             f"tokens waiting {s.num_tokens_waiting}, "
-            f"KV cache {100.0 * s.kv_cache_usage:.1f}%, prefix cache hit rate {hit_rate}"
+            f"KV cache {100.0 * s.kv_cache_usage:.1f}%, prefix cache hit rate {hit_rate}, "
+            f"preemptions {self._preemptions}"
         )

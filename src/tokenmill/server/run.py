@@ -19,8 +19,10 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     engine = build_engine(config)
     name = args.served_model_name or engine.model_name
     metrics = PrometheusMetrics(name, vllm_names=args.metrics_vllm_names)
-    stat_logger = StatLogger(name, interval_s=args.log_interval)
-    async_engine = AsyncEngine(engine.core, engine.tokenizer, [metrics, stat_logger], [metrics],
+    stat_logger = None if args.disable_log_stats else StatLogger(name, args.log_stats_interval)
+    step_sinks = [] if args.disable_log_stats else [metrics, stat_logger]
+    finished_sinks = [] if args.disable_log_stats else [metrics]
+    async_engine = AsyncEngine(engine.core, engine.tokenizer, step_sinks, finished_sinks,
                                config.max_num_queued_requests, config.max_num_queued_tokens)
     options = ServerOptions(name, args.default_continuous_usage_stats, args.api_key)
     app = build_app(async_engine, engine.processor, metrics, options, engine.max_model_len,
