@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -16,14 +18,24 @@ def tiny_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def hf_greedy(tiny_model):
-    """``hf_greedy(prompt_ids, n)`` -> the n tokens transformers' greedy search picks."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
+    """``hf_greedy(prompt_ids, n)`` -> the n tokens of transformers' greedy argmax."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+    @functools.cache
+    def cached(prompt_ids: tuple[int, ...], max_new_tokens: int) -> list[int]:
+        # NOTE: a plain argmax loop; generate()'s min_new_tokens would ban EOS, which
+        # ignore_eos does not.
+        ids, past, out = torch.tensor([prompt_ids]), None, []
+        with torch.no_grad():
+            for _ in range(max_new_tokens):
+                result = model(ids if past is None else ids[:, -1:], past_key_values=past,
+                               use_cache=True)
+                past = result.past_key_values
+                out.append(int(result.logits[0, -1].argmax()))
+                ids = torch.cat([ids, torch.tensor([[out[-1]]])], dim=1)
+        return out
 
     def generate(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
-                                 min_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=0)
-        return out[0, len(prompt_ids):].tolist()
+        return cached(tuple(prompt_ids), max_new_tokens)
 
     return generate

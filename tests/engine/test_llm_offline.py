@@ -25,17 +25,21 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
 SCHEDULES = {
     "default": {},
     "chunked_prefill": {"max_num_batched_tokens": 16},
-    "preemption": {"num_kv_blocks": 12, "block_size": 4, "max_model_len": 48},
+    "no_chunked_prefill": {"enable_chunked_prefill": False, "max_num_batched_tokens": 128,
+                           "max_model_len": 128},
+    "preemption": {"num_kv_blocks": 24, "block_size": 4, "max_model_len": 48},
     "no_prefix_cache": {"enable_prefix_caching": False, "max_num_seqs": 3},
 }
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_greedy_tokens_equal_transformers(tiny_model, hf_greedy, schedule) -> None:
+    """32 concurrent requests of mixed lengths each get exactly what they get alone."""
     options = SCHEDULES[schedule]
     llm = LLM(tiny_model, dtype="float32", **options)
-    batch = prompts(6)
-    if "max_model_len" in options:
+    batch = prompts(32)
+    batch[5] = batch[3][:len(batch[3]) // 2] + batch[5]  # shares a prefix: a cache hit
+    if "num_kv_blocks" in options:
         batch = [p[:20] for p in batch]
     outputs = llm.generate(batch, GREEDY)
     for prompt, output in zip(batch, outputs, strict=True):

@@ -35,8 +35,9 @@ class FakeExecutor:
     output.
     """
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, tokens_per_step: int = 1) -> None:
         self.block_size = block_size
+        self.tokens_per_step = tokens_per_step  # > 1: as if speculative drafts were accepted
         self.slots: dict[tuple[int, int], int] = {}
         self.steps: list[SchedulerOutput] = []
 
@@ -51,7 +52,10 @@ class FakeExecutor:
                 p = item.start_pos + offset
                 self.slots[(item.block_ids[p // bs], p % bs)] = token
             if item.sample:
-                sampled[item.req_id] = sum(context + list(item.token_ids)) % VOCAB
+                sequence = context + list(item.token_ids)
+                for _ in range(self.tokens_per_step):
+                    sequence.append(sum(sequence) % VOCAB)
+                sampled[item.req_id] = tuple(sequence[-self.tokens_per_step:])
         return ModelRunnerOutput(sampled=sampled, forward_time=0.001)
 
 
@@ -71,9 +75,10 @@ def make_request(prompt: list[int], max_tokens: int = 8, group_id: str | None = 
 
 
 def make_core(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 256,
-              **options) -> EngineCore:
+              tokens_per_step: int = 1, **options) -> EngineCore:
     config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, **options)
-    return EngineCore(config, FakeExecutor(block_size), num_blocks, max_model_len)
+    return EngineCore(config, FakeExecutor(block_size, tokens_per_step), num_blocks,
+                      max_model_len)
 
 
 def run_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[str, list[int]]:

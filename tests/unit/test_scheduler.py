@@ -248,3 +248,27 @@ def _check_queue_sums(core) -> None:
         assert r.num_computed_tokens == 0
         assert 0 < r.queued_tokens <= r.queued_tokens_raw == r.num_tokens
     core.kv.check_integrity()
+
+
+def test_steps_that_commit_several_tokens() -> None:
+    core = make_core(tokens_per_step=3)
+    req = make_request([4, 5, 6], max_tokens=10)
+    core.add_request(req)
+    outputs = []
+    while core.has_work():
+        out = core.step()
+        outputs.extend(out.outputs)
+        if out.iteration_stats:
+            assert out.iteration_stats.num_generation_tokens in (0, 1, 3)
+    tokens = [t for o in outputs for t in o.new_token_ids]
+    assert tokens == expected_continuation([4, 5, 6], 10)
+    assert [len(o.new_token_ids) for o in outputs] == [3, 3, 3, 1]  # capped by max_tokens
+    counts = [e.num_tokens for o in outputs for e in o.events
+              if e.type is RequestEventType.NEW_TOKENS]
+    assert counts == [3, 3, 3, 1]
+    # a stop token in the middle of a step drops the tokens after it
+    stop_id = expected_continuation([1, 2], 5)[3]
+    req = make_request([1, 2], max_tokens=10, stop_token_ids=[stop_id])
+    core.add_request(req)
+    tokens = run_to_completion(core)[req.req_id]
+    assert tokens == expected_continuation([1, 2], 4)

@@ -40,7 +40,7 @@ class ModelRunner:
         with torch.inference_mode():
             input_ids, positions, metadata, sample_rows = self._prepare(scheduler_output.requests)
             hidden = self.model(input_ids, positions, metadata, self.kv_caches)
-            sampled: dict[str, int] = {}
+            sampled: dict[str, tuple[int, ...]] = {}
             logprobs = {}
             if sample_rows:
                 rows = [index for index, _ in sample_rows]
@@ -49,9 +49,9 @@ class ModelRunner:
                 result = self.sampler(logits, self._sampling_batch(items))
                 for item, token_id, logprob in zip(items, result.token_ids, result.logprobs,
                                                    strict=True):
-                    sampled[item.req_id] = token_id
+                    sampled[item.req_id] = (token_id,)
                     if logprob is not None:
-                        logprobs[item.req_id] = logprob
+                        logprobs[item.req_id] = (logprob,)
         return ModelRunnerOutput(sampled, logprobs, forward_time=time.monotonic() - start)
 
     def _prepare(self, requests: tuple[ScheduledRequest, ...]):

@@ -214,26 +214,38 @@ class Scheduler:
             request.num_computed_tokens += len(item.token_ids)
             request.model_forward_time += runner_output.forward_time
             self.kv.cache_computed_blocks(request)
-            token_id = runner_output.sampled.get(item.req_id)
-            if token_id is None:
+            token_ids = runner_output.sampled.get(item.req_id)
+            if not token_ids:
                 continue
+            committed = self._commit(request, token_ids, now, result)
+            logprobs = runner_output.logprobs.get(item.req_id)
+            result.outputs.append(self.make_output(
+                request, committed, logprobs[:len(committed)] if logprobs else None))
+        return result
+
+    def _commit(self, request: Request, token_ids: tuple[int, ...], now: float,
+                result: StepResult) -> tuple[int, ...]:
+        """Append the step's tokens up to the first that stops the request; return them."""
+        count = 0
+        reason = None
+        for token_id in token_ids:
             request.append_output_token(token_id)
-            request.record(RequestEventType.NEW_TOKENS, now, num_tokens=1)
-            result.num_generation_tokens += 1
-            if request.is_prefilling:
-                self._end_prefill(request)
-                request.record(RequestEventType.DECODING, now)
-                if request.num_output_tokens == 1:
-                    result.num_prompt_tokens += request.num_prompt_tokens
-                    result.num_cached_prompt_tokens += request.num_cached_tokens
+            count += 1
             reason = self.check_stop(request)
             if reason is not None:
-                self.running.remove(request)
-                self.finish(request, reason)
-            logprob = runner_output.logprobs.get(item.req_id)
-            result.outputs.append(self.make_output(request, (token_id,),
-                                                   (logprob,) if logprob else None))
-        return result
+                break
+        request.record(RequestEventType.NEW_TOKENS, now, num_tokens=count)
+        result.num_generation_tokens += count
+        if request.is_prefilling:
+            self._end_prefill(request)
+            request.record(RequestEventType.DECODING, now)
+            if request.num_output_tokens == count:  # the request's first tokens
+                result.num_prompt_tokens += request.num_prompt_tokens
+                result.num_cached_prompt_tokens += request.num_cached_tokens
+        if reason is not None:
+            self.running.remove(request)
+            self.finish(request, reason)
+        return token_ids[:count]
 
     @staticmethod
     def make_output(request: Request, new_token_ids: tuple[int, ...],

@@ -62,8 +62,11 @@ class TokenLogprob:
 
 @dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
-    sampled: dict[str, int]  # req_id -> next token, for requests scheduled with sample=True
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    """Tokens to commit, per request scheduled with ``sample``: one per step without
+    speculative decoding, k >= 1 with it (accepted drafts plus the bonus token)."""
+
+    sampled: dict[str, tuple[int, ...]]
+    logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
     forward_time: float = 0.0
 
 
