@@ -1,0 +1,65 @@
+"""Request fields beyond the basics, through the official client: logprobs, stop, seed,
+lists of prompts, and a clean exit on SIGTERM."""
+
+from __future__ import annotations
+
+import math
+import signal
+
+from server_process import ServerProcess
+
+
+def test_completion_logprobs(client) -> None:
+    result = client.completions.create(model="tiny", prompt="The sky is", max_tokens=4,
+                                       logprobs=3, temperature=0.0, user="tester",
+                                       extra_body={"ignore_eos": True})
+    lp = result.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    for logprob, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) <= 3 and logprob <= 0
+        assert math.isclose(max(top.values()), logprob, abs_tol=1e-4)  # greedy: the best
+    assert len(lp.tokens) == result.usage.completion_tokens
+
+
+def test_chat_logprobs(client) -> None:
+    result = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        logprobs=True, top_logprobs=2, temperature=0.0, extra_body={"ignore_eos": True})
+    content = result.choices[0].logprobs.content
+    assert len(content) == 3
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.logprob - 1e-4
+               for c in content)
+
+
+def test_list_of_prompts_and_seeded_sampling(client) -> None:
+    result = client.completions.create(model="tiny", prompt=["first prompt", "second one"],
+                                       max_tokens=3, n=2, seed=5, temperature=1.0,
+                                       extra_body={"ignore_eos": True})
+    assert [c.index for c in result.choices] == [0, 1, 2, 3]
+    again = client.completions.create(model="tiny", prompt=["first prompt", "second one"],
+                                      max_tokens=3, n=2, seed=5, temperature=1.0,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in result.choices] == [c.text for c in again.choices]
+    assert result.usage.completion_tokens == 12
+
+
+def test_stop_string_ends_the_choice(client) -> None:
+    full = client.completions.create(model="tiny", prompt="Tell me", max_tokens=16,
+                                     temperature=0.0, extra_body={"ignore_eos": True})
+    text = full.choices[0].text
+    stop = text[4:7]
+    cut = client.completions.create(model="tiny", prompt="Tell me", max_tokens=16, stop=[stop],
+                                    temperature=0.0, extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == text[:text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.usage.completion_tokens < full.usage.completion_tokens
+
+
+def test_sigterm_shuts_down_cleanly(tiny_model) -> None:
+    server = ServerProcess(tiny_model)
+    server.process.send_signal(signal.SIGTERM)
+    # uvicorn finishes its graceful shutdown, then re-raises the signal it caught
+    assert server.process.wait(timeout=30) in (0, -signal.SIGTERM)
+    log = server.log()
+    assert "Application shutdown complete" in log and "Traceback" not in log
+    server.stop()
