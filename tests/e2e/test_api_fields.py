@@ -1,11 +1,12 @@
 """Request fields beyond the basics, through the official client: logprobs, stop, seed,
-lists of prompts, and a clean exit on SIGTERM."""
+lists of prompts; the continuous-usage default; a clean exit on SIGTERM."""
 
 from __future__ import annotations
 
 import math
 import signal
 
+from openai import OpenAI
 from server_process import ServerProcess
 
 
@@ -55,11 +56,25 @@ def test_stop_string_ends_the_choice(client) -> None:
     assert cut.usage.completion_tokens < full.usage.completion_tokens
 
 
-def test_sigterm_shuts_down_cleanly(tiny_model) -> None:
-    server = ServerProcess(tiny_model)
-    server.process.send_signal(signal.SIGTERM)
-    # uvicorn finishes its graceful shutdown, then re-raises the signal it caught
-    assert server.process.wait(timeout=30) in (0, -signal.SIGTERM)
-    log = server.log()
-    assert "Application shutdown complete" in log and "Traceback" not in log
-    server.stop()
+def test_default_continuous_usage_then_sigterm(tiny_model) -> None:
+    """--default-continuous-usage-stats: streams that say nothing get usage on every chunk;
+    then SIGTERM shuts the server down gracefully."""
+    server = ServerProcess(tiny_model, "--default-continuous-usage-stats")
+    try:
+        client = OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+        model = client.models.list().data[0].id
+        chunks = list(client.completions.create(model=model, prompt="hi", max_tokens=3,
+                                                stream=True, extra_body={"ignore_eos": True}))
+        assert [c.usage.completion_tokens for c in chunks] == [1, 2, 3, 3]
+        assert chunks[-1].choices == []
+        opted_out = list(client.completions.create(
+            model=model, prompt="hi", max_tokens=3, stream=True,
+            stream_options={"include_usage": False}, extra_body={"ignore_eos": True}))
+        assert all(c.usage is None for c in opted_out) and len(opted_out) == 3
+        server.process.send_signal(signal.SIGTERM)
+        # uvicorn finishes its graceful shutdown, then re-raises the signal it caught
+        assert server.process.wait(timeout=30) in (0, -signal.SIGTERM)
+        log = server.log()
+        assert "Application shutdown complete" in log and "Traceback" not in log
+    finally:
+        server.stop()
