@@ -99,23 +99,22 @@ class Scheduler:
         return SchedulerOutput(tuple(self._describe(r, n) for r, n in scheduled), finished)
 
     def _schedule_running(self, budget: int, out: list[tuple[Request, int]]) -> tuple[int, bool]:
+        """Serve running requests in order, preempting from the tail when blocks run out."""
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens_to_compute, budget)
             while not self.kv.allocate(request, num_new):
+                # NOTE: the victim is always at or after i, so nothing already in ``out``
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
-                    break
-            else:
-                out.append((request, num_new))
-                budget -= num_new
-                i += 1
-                continue
-            break  # the request itself was preempted: nothing after it runs either
+                    return budget, preempted
+            out.append((request, num_new))
+            budget -= num_new
+            i += 1
         return budget, preempted
 
     def _schedule_waiting(self, budget: int, out: list[tuple[Request, int]]) -> None:

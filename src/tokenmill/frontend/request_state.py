@@ -89,11 +89,9 @@ class ChoiceState:
         self.events.append(RequestEvent(RequestEventType.FINISHED_EMITTED, now))
         return replace(delta, stats=self.compute_stats(delta.finish_reason))
 
-    def compute_stats(self, finish_reason: str | None) -> RequestStats:
+    def compute_stats(self, finish_reason: str) -> RequestStats:
         final = self.final_output
-        events = sorted(self.events, key=lambda e: e.ts)
-        if finish_reason is not None:
-            events = [_with_reason(e, FinishReason(finish_reason)) for e in events]
+        events = [_with_reason(e, FinishReason(finish_reason)) for e in self.events]
         return compute_request_stats(
             events,
             num_prompt_tokens=self.num_prompt_tokens,
