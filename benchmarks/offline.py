@@ -141,7 +141,7 @@ def print_table(report: dict) -> None:
         row = report[name]
         table.add_row(name, settings[name], str(row["output_tokens"]), f"{row['seconds']:.1f}",
                       f"{row['output_tok_s']:.1f}")
-    console = Console()
+    console = Console(width=120)
     console.print(table)
     agreement = report["agreement"]
     console.print(f"ratio tokenmill / transformers (output tok/s): "
