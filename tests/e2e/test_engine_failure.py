@@ -46,11 +46,14 @@ def failing_server(tiny_model):
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
+    engine_thread = threading.Thread(target=async_engine.run, daemon=True)
+    engine_thread.start()
     while not server.started:
         time.sleep(0.05)
     yield f"http://127.0.0.1:{port}", engine
     server.should_exit = True
     thread.join(timeout=10)
+    engine_thread.join(timeout=10)
 
 
 def test_error_mid_stream_is_an_event_with_usage(failing_server) -> None:

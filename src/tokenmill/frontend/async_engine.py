@@ -1,8 +1,9 @@
-"""The server's engine client: the engine core runs its step loop on a background
-thread; each API request gets its own asyncio stream of ``ChoiceDelta``s.
+"""The server's engine client: the engine core runs its step loop on one thread, the
+server's event loop on another; each API request gets its own asyncio stream of
+``ChoiceDelta``s.
 
-    event loop thread                         engine thread
-    -----------------                         -------------
+    event loop thread                         engine thread (``run``)
+    -----------------                         -----------------------
     add_request() --(inbox: add/abort)------> drain inbox, core.step()
     RequestStream  <--call_soon_threadsafe--- EngineCoreOutputs
       (detokenise, stop strings, stats)
@@ -10,6 +11,10 @@ thread; each API request gets its own asyncio stream of ``ChoiceDelta``s.
 Detokenisation, stop strings and stats maths run on the event loop, off the step
 loop. An abort reaches the core before its next step. When the core goes idle it
 publishes its stats once more, so gauges read zero as soon as the last request ends.
+
+NOTE: run the step loop on the thread that loaded the model. PyTorch's OpenMP keeps one
+worker pool per calling thread; a second pool oversubscribes the cores, OpenMP then
+stops spin-waiting between kernels, and a decode step gets about 1.5x slower.
 """
 
 from __future__ import annotations
@@ -126,20 +131,20 @@ class AsyncEngine:
         self._pending_requests = 0  # added but not yet taken by the engine thread
         self._pending_tokens = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._attached = threading.Event()
         self._stopping = False
 
     # --------------------------------------------------------------- lifecycle
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
-        self._thread.start()
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Deliver outputs to ``loop`` (the server's event loop); ``run`` starts stepping."""
+        self._loop = loop
+        self._attached.set()
 
     def shutdown(self) -> None:
+        """Make ``run`` return after the current step."""
         self._stopping = True
+        self._attached.set()
         self._wakeup.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, core_requests: list[EngineCoreRequest],
@@ -192,7 +197,9 @@ class AsyncEngine:
                 sink.record_finished(stats)
 
     # ----------------------------------------------------------- engine thread
-    def _run(self) -> None:
+    def run(self) -> None:
+        """The step loop: blocks until ``shutdown``; steps once ``attach`` gave it a loop."""
+        self._attached.wait()
         idle_published = True
         while not self._stopping:
             try:

@@ -34,7 +34,7 @@ def build_app(engine: AsyncEngine, processor: InputProcessor, metrics: Prometheu
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
-        engine.start()
+        engine.attach(asyncio.get_running_loop())
         ticker = asyncio.create_task(_log_periodically(stat_logger)) if stat_logger else None
         try:
             yield

@@ -1,8 +1,15 @@
-"""``tokenmill serve``: build the engine, then run the app under uvicorn until SIGINT/SIGTERM."""
+"""``tokenmill serve``: build the engine, then serve until SIGINT/SIGTERM.
+
+The engine steps on the main thread, which loaded the model; uvicorn runs its event loop
+on a second thread. A first signal stops accepting requests and lets those in flight
+finish (up to 5 s), a second one stops at once.
+"""
 
 from __future__ import annotations
 
 import argparse
+import signal
+import threading
 
 import uvicorn
 
@@ -27,6 +34,28 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     options = ServerOptions(name, args.default_continuous_usage_stats, args.api_key)
     app = build_app(async_engine, engine.processor, metrics, options, engine.max_model_len,
                     stat_logger)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level=args.log_level,
+                                           timeout_graceful_shutdown=5))
+    http_thread = threading.Thread(target=_serve_http, args=(server, async_engine),
+                                   name="tokenmill-http")
+
+    def stop(signum: int, _frame) -> None:
+        if server.should_exit:  # a second signal: stop without waiting for requests
+            server.force_exit = True
+        server.should_exit = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    http_thread.start()
+    async_engine.run()  # on this thread, which loaded the model (see AsyncEngine)
+    http_thread.join()
+    return 0 if server.started else 1
+
+
+def _serve_http(server: uvicorn.Server, engine: AsyncEngine) -> None:
+    """uvicorn's loop, off the main thread; when it ends (or fails to start), so does the engine."""
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
