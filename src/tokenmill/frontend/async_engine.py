@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from tokenmill.core.engine_core import EngineCore
 from tokenmill.core.request import EngineCoreRequest
-from tokenmill.core.types import EngineCoreOutputs
+from tokenmill.core.types import EngineCoreOutput, EngineCoreOutputs
 from tokenmill.frontend.outputs import ChoiceDelta
 from tokenmill.frontend.request_state import ChoiceState
 from tokenmill.metrics.records import FinishReason, RequestEvent, RequestEventType
@@ -56,9 +56,8 @@ class _Abort:
 class RequestStream:
     """The deltas of one API request's choices, in the order the engine produced them."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, choices: list[ChoiceState]) -> None:
+    def __init__(self, engine: AsyncEngine, choices: list[ChoiceState]) -> None:
         self.engine = engine
-        self.request_id = request_id
         self.choices = {c.req_id: c for c in choices}
         self._by_index = choices
         self._queue: asyncio.Queue[ChoiceDelta] = asyncio.Queue()
@@ -66,15 +65,11 @@ class RequestStream:
         self.error: str | None = None  # why the engine ended this request, on finish "error"
         self._closed = False  # the reader went away
 
-    @property
-    def finished(self) -> bool:
-        return self._num_unfinished == 0
-
     def num_cached_tokens(self, index: int) -> int:
         """Prompt tokens that choice ``index`` found in the prefix cache."""
         return self._by_index[index].num_cached_tokens
 
-    def _on_output(self, out) -> None:
+    def _on_output(self, out: EngineCoreOutput) -> None:
         choice = self.choices[out.req_id]
         delta = choice.process(out)
         if choice.take_stop_request():
@@ -147,7 +142,7 @@ class AsyncEngine:
         self._wakeup.set()
 
     # ---------------------------------------------------------------- requests
-    def add_request(self, request_id: str, core_requests: list[EngineCoreRequest],
+    def add_request(self, core_requests: list[EngineCoreRequest],
                     arrival_ts: float) -> RequestStream:
         """Admit an API request and open its stream.
 
@@ -164,7 +159,7 @@ class AsyncEngine:
         choices = [ChoiceState(i, r.req_id, self.tokenizer, list(r.prompt_token_ids),
                                r.sampling_params, frontend_events)
                    for i, r in enumerate(core_requests)]
-        stream = RequestStream(self, request_id, choices)
+        stream = RequestStream(self, choices)
         for r in core_requests:
             self._streams[r.req_id] = stream
             self._inbox.put(r)

@@ -102,7 +102,7 @@ class OpenAIServing:
             rid = request_id if len(prompt_ids) == 1 else f"{request_id}-p{i}"
             core_requests += self.processor.make_core_requests(rid, ids, params, arrival)
         try:
-            stream = self.engine.add_request(request_id, core_requests, arrival)
+            stream = self.engine.add_request(core_requests, arrival)
         except AdmissionRejected as rejected:
             self.metrics.record_rejection(rejected.reason)
             raise
