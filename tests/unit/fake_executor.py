@@ -8,7 +8,6 @@ the output, and the same prompt always yields the same continuation.
 from __future__ import annotations
 
 import itertools
-import time
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_core import EngineCore
@@ -69,7 +68,6 @@ def make_request(prompt: list[int], max_tokens: int = 8, group_id: str | None = 
         prompt_token_ids=tuple(prompt),
         sampling_params=SamplingParams(max_tokens=max_tokens, **{"ignore_eos": True, **params}),
         eos_token_ids=frozenset({EOS}),
-        arrival_ts=time.monotonic(),
         group_id=group_id,
     )
 

@@ -38,7 +38,6 @@ class EngineCoreRequest:
     prompt_token_ids: tuple[int, ...]
     sampling_params: SamplingParams  # n == 1; max_tokens resolved (never None)
     eos_token_ids: frozenset[int]
-    arrival_ts: float
     group_id: str | None = None  # the API request this choice belongs to, for n > 1
 
 
@@ -52,7 +51,6 @@ class Request:
         self.group_id = core_request.group_id
         self.sampling_params = params
         self.eos_token_ids = core_request.eos_token_ids
-        self.arrival_ts = core_request.arrival_ts
         self.prompt_token_ids = list(core_request.prompt_token_ids)
         self.all_token_ids = list(core_request.prompt_token_ids)
         self.output_token_ids: list[int] = []

@@ -71,7 +71,7 @@ class LLM:
         processor = self.engine.processor
         prompt_ids = processor.tokenize(prompt)
         request_id = f"offline-{next(self._ids)}"
-        core_requests = processor.make_core_requests(request_id, prompt_ids, params, arrival)
+        core_requests = processor.make_core_requests(request_id, prompt_ids, params)
         frontend_events = [RequestEvent(RequestEventType.ARRIVED, arrival),
                            RequestEvent(RequestEventType.INPUT_PROCESSED, time.monotonic())]
         states = [ChoiceState(i, r.req_id, self.engine.tokenizer, prompt_ids, r.sampling_params,

@@ -7,7 +7,6 @@ max_model_len, every token id inside the vocabulary), so the core never sees bad
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 from tokenmill.core.request import EngineCoreRequest
@@ -54,14 +53,12 @@ class InputProcessor:
         return params.max_tokens
 
     def make_core_requests(self, request_id: str, prompt_token_ids: list[int],
-                           params: SamplingParams,
-                           arrival_ts: float | None = None) -> list[EngineCoreRequest]:
+                           params: SamplingParams) -> list[EngineCoreRequest]:
         max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params)
         for token_id in params.stop_token_ids:
             if token_id >= self.vocab_size:
                 raise InvalidParameterError(f"stop token id {token_id} is outside the vocabulary",
                                             "stop_token_ids")
-        arrival_ts = time.monotonic() if arrival_ts is None else arrival_ts
         prompt = tuple(prompt_token_ids)
         eos = self.tokenizer.eos_token_ids
         group = request_id if params.n > 1 else None
@@ -74,7 +71,6 @@ class InputProcessor:
                 prompt_token_ids=prompt,
                 sampling_params=child,
                 eos_token_ids=eos,
-                arrival_ts=arrival_ts,
                 group_id=group,
             ))
         return children

@@ -100,7 +100,7 @@ class OpenAIServing:
         core_requests = []
         for i, ids in enumerate(prompt_ids):
             rid = request_id if len(prompt_ids) == 1 else f"{request_id}-p{i}"
-            core_requests += self.processor.make_core_requests(rid, ids, params, arrival)
+            core_requests += self.processor.make_core_requests(rid, ids, params)
         try:
             stream = self.engine.add_request(core_requests, arrival)
         except AdmissionRejected as rejected:

@@ -93,10 +93,6 @@ class BlockPool:
         block.key, block.block_hash = key, block_hash
         self._cached.setdefault(block_hash, block)
 
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            self._evict(block)
-
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None and self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]

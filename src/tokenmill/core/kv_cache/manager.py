@@ -120,10 +120,6 @@ class KVCacheManager:
         if table:
             self.pool.free(list(reversed(table)))
 
-    def reset_prefix_cache(self) -> None:
-        self.pool.reset_prefix_cache()
-        self._num_cached_blocks.clear()
-
     def check_integrity(self) -> None:
         """free + used == total, and every block's ref count equals the tables holding it."""
         self.pool.check_integrity()
