@@ -95,14 +95,21 @@ class RequestStream:
                     self._finish(delta)
                 yield delta
         finally:
-            self._closed = True
-            if self._num_unfinished:
-                self.abort()
-                # deltas already queued will never be read: account for the finished ones
-                while not self._queue.empty():
-                    item = self._queue.get_nowait()
-                    if item.finished:
-                        self._finish(self._by_index[item.index].mark_emitted(item))
+            self.close()
+
+    def close(self) -> None:
+        """The reader is gone: abort what is unfinished and account for what did finish.
+
+        Idempotent; also for a stream that was never iterated (a client that left before
+        its response started).
+        """
+        self._closed = True
+        if self._num_unfinished:
+            self.abort()
+            while not self._queue.empty():  # queued deltas will never be read
+                item = self._queue.get_nowait()
+                if item.finished:
+                    self._finish(self._by_index[item.index].mark_emitted(item))
 
     def abort(self) -> None:
         """Stop every unfinished choice (client gone); the core frees their blocks next step."""

@@ -109,8 +109,11 @@ class OpenAIServing:
         self.metrics.record_request_params(params.n, core_requests[0].sampling_params.max_tokens)
         job = _Job(fmt.id_prefix + request_id, int(time.time()), stream, params, prompt_ids, echo)
         if body.stream:
-            return StreamingResponse(self._sse(job, body, fmt), media_type="text/event-stream")
-        return JSONResponse(await self._collect(job, body, fmt))
+            return _EngineStreamResponse(stream, self._sse(job, body, fmt))
+        try:
+            return JSONResponse(await self._collect(job, body, fmt))
+        finally:
+            stream.close()
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.options.served_model_name:
@@ -191,6 +194,21 @@ class OpenAIServing:
         if body.include_metrics:
             response["metrics"] = [job.metrics[i] for i in sorted(job.metrics)]
         return response
+
+
+class _EngineStreamResponse(StreamingResponse):
+    """An SSE response that closes its engine stream however it ends, even when the client
+    leaves before the body starts (Starlette then never starts the generator)."""
+
+    def __init__(self, stream: RequestStream, body: AsyncIterator[str]) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self._stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.close()
 
 
 def _sse_data(payload: dict) -> str:
