@@ -74,6 +74,11 @@ def test_request_id_header_is_echoed(tiny_server) -> None:
     r = httpx.post(tiny_server.base_url + "/v1/completions",
                    json={"prompt": "hi", "max_tokens": 1}, headers={"x-request-id": "abc-123"})
     assert r.status_code == 200 and r.headers["x-request-id"] == "abc-123"
+    assert r.json()["id"] == "cmpl-abc-123"
+    again = httpx.post(tiny_server.base_url + "/v1/completions",  # ids may repeat
+                       json={"prompt": "hi", "max_tokens": 1}, headers={"x-request-id": "abc-123"})
+    assert again.status_code == 200
+    assert "request abc-123:" in tiny_server.log()
 
 
 def test_tokenize_detokenize_and_info_endpoints(tiny_server) -> None:

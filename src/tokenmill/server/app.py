@@ -73,11 +73,11 @@ def build_app(engine: AsyncEngine, processor: InputProcessor, metrics: Prometheu
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await serving.completions(body, _engine_request_id(request))
+        return await serving.completions(body, request.state.request_id)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        return await serving.chat(body, _engine_request_id(request))
+        return await serving.chat(body, request.state.request_id)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -109,12 +109,6 @@ def build_app(engine: AsyncEngine, processor: InputProcessor, metrics: Prometheu
 
     return app
 
-
-def _engine_request_id(request: Request) -> str:
-    """A fresh engine id: client-chosen x-request-ids need not be unique."""
-    engine_id = new_request_id()
-    logger.debug("request %s runs as %s", request.state.request_id, engine_id)
-    return engine_id
 
 
 async def _log_periodically(stat_logger: StatLogger) -> None:

@@ -9,6 +9,7 @@ finish chunk when the choice ended without one (a stop string or an abort).
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,6 +25,8 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError, error_body
 from tokenmill.server.formats import ChatFormat, CompletionFormat
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, _Common
+
+logger = logging.getLogger("tokenmill")
 
 
 @dataclass(slots=True)
@@ -97,10 +100,14 @@ class OpenAIServing:
         body.check_stream_options()
         params = body.to_sampling_params()
         arrival = time.monotonic()
+        # NOTE: clients choose request ids (x-request-id) and may reuse them; engine ids
+        # must be unique, so the engine gets its own.
+        engine_id = uuid.uuid4().hex
+        logger.info("request %s: %d prompt(s), n=%d, engine id %s", request_id,
+                    len(prompt_ids), params.n, engine_id)
         core_requests = []
         for i, ids in enumerate(prompt_ids):
-            rid = request_id if len(prompt_ids) == 1 else f"{request_id}-p{i}"
-            core_requests += self.processor.make_core_requests(rid, ids, params)
+            core_requests += self.processor.make_core_requests(f"{engine_id}-p{i}", ids, params)
         try:
             stream = self.engine.add_request(core_requests, arrival)
         except AdmissionRejected as rejected:
