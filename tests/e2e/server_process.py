@@ -63,7 +63,7 @@ class ServerProcess:
                 samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
         return samples
 
-    def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
+    def wait_idle(self, timeout: float = 120.0) -> dict[str, float]:
         """Poll until nothing runs or waits and no KV block is held; return the metrics."""
         deadline = time.monotonic() + timeout
         while True:
