@@ -45,6 +45,13 @@ class Linear(nn.Module):
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)``; packed, the add is oneDNN's post-op (one kernel, one
+        rounding of the sum instead of two)."""
+        if self.packed is not None:
+            return packed_linear_binary(x, residual, self.packed, self.bias, "add")
+        return residual + F.linear(x, self.weight, self.bias)
+
     def prepack(self) -> None:
         self.packed = pack_weight(self.weight.data)
         self.weight.data = self.weight.data.new_empty(0)
@@ -68,6 +75,14 @@ def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
+
+
+def packed_linear_binary(
+    x: torch.Tensor, other: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+    op: str,
+) -> torch.Tensor:
+    """``(x @ W.T + bias) <op> other`` in one oneDNN call; ``op``: "add" or "mul"."""
+    return torch.ops.mkldnn._linear_pointwise.binary(x, other, packed, bias, op)
 
 
 class RMSNorm(nn.Module):
@@ -123,10 +138,15 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding in the "rotate half" layout (pairs ``i`` and ``i + D/2``).
 
-    Invariant: ``cos_sin_cache[p] = [cos(p * f), sin(p * f)]`` for every position
-    ``p < max_positions``, computed once in float32 and stored in the model dtype, so a
-    forward pass only indexes it (``cos_sin``) and each layer only multiplies
-    (``apply_rotary``).
+    Invariant: ``cos_sin_cache[p] = [cos(p f), cos(p f), -sin(p f), sin(p f)]`` (each part
+    ``D/2`` wide) for every position ``p < max_positions``, computed once in float32 and
+    stored in the model dtype, so a forward pass only indexes it (``cos_sin``) and each layer
+    only multiplies (``apply_rotary``). The signed, duplicated layout turns the rotation into
+    ``x * cos + swap_halves(x) * sin`` over the full head::
+
+        x:               | x1        | x2        |
+        swap_halves(x):  | x2        | x1        |
+        result:          | x1 c - x2 s | x2 c + x1 s |
     """
 
     def __init__(
@@ -141,24 +161,28 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        cache = torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype=dtype, device=device)
+        cos, sin = angles.cos(), angles.sin()
+        cache = torch.cat((cos, cos, -sin, sin), dim=-1).to(dtype=dtype, device=device)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
-        self.half = head_dim // 2
+        self.head_dim = head_dim
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each ``[T, 1, D/2]``, for the positions of a batch's tokens."""
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).split(self.half, dim=-1)
+        """(cos, signed sin), each ``[T, 1, D]``, for the positions of a batch's tokens."""
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).split(self.head_dim, dim=-1)
         return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, D]`` by ``cos, sin [T, 1, D/2]`` (q and k heads can go together)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate ``x [T, heads, D]`` by ``cos, sin [T, 1, D]`` from ``RotaryEmbedding.cos_sin``
+    (q and k heads can go together). Bit-identical to the textbook "rotate half" form:
+    ``x1 * c + x2 * (-s)`` is ``x1 * c - x2 * s`` exactly."""
+    swapped = x.roll(x.shape[-1] // 2, dims=-1)
+    return (x * cos).add_(swapped * sin)
 
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused in one ``[2I, H]`` projection."""
+    """``residual + down(silu(gate(x)) * up(x))`` with gate and up fused in one ``[2I, H]``
+    projection."""
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: torch.device
@@ -167,6 +191,6 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, dtype, device)
         self.down_proj = Linear(intermediate_size, hidden_size, False, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj.forward_add(F.silu(gate) * up, residual)

@@ -59,11 +59,13 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         plan: AttentionPlan,
     ) -> torch.Tensor:
+        """``residual + attention(x)``."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         qk_size = self.q_size + self.kv_size
@@ -71,7 +73,8 @@ class LlamaAttention(nn.Module):
         qk = apply_rotary(qkv[:, :qk_size].view(num_tokens, -1, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        return self.o_proj(paged_attention(q, k, v, kv_cache, plan, self.scale))
+        attn = paged_attention(q, k, v, kv_cache, plan, self.scale)
+        return self.o_proj.forward_add(attn, residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -90,8 +93,8 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         plan: AttentionPlan,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, plan)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = self.self_attn(self.input_layernorm(h), h, cos, sin, kv_cache, plan)
+        return self.mlp(self.post_attention_layernorm(h), h)
 
 
 class LlamaModel(nn.Module):
