@@ -17,13 +17,13 @@ writes JSON (``--out``). Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import time
 
 import torch
+from report_file import write_report  # noqa: E402  (sibling module)
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -177,10 +177,7 @@ def main() -> None:
         "multi_stream": streams,
     }
     print_table(report)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.out}")
+    write_report(report, args.out)
 
 
 def print_table(report: dict) -> None:

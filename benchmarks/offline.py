@@ -24,7 +24,6 @@ writes JSON. Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -37,6 +36,7 @@ from rich.table import Table
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from forward import load_reference  # noqa: E402  (the sibling benchmark's loader)
+from report_file import write_report  # noqa: E402  (sibling module)
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.models.loader import default_model_path, model_name_for  # noqa: E402
@@ -167,10 +167,7 @@ def main() -> None:
     args = parser.parse_args()
     report = measure(args)
     print_table(report)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.out}")
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ import cProfile
 import gc
 import io
 import itertools
-import json
 import os
 import platform
 import pstats
@@ -37,6 +36,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+from report_file import write_report  # noqa: E402  (sibling module)
 from rich.console import Console
 from rich.table import Table
 
@@ -79,7 +79,7 @@ def build_core(num_waiting: int, args: argparse.Namespace) -> EngineCore:
             req_id=f"req-{next(ids)}",
             prompt_token_ids=tuple(rng.randrange(VOCAB) for _ in range(args.prompt_len)),
             sampling_params=SamplingParams(max_tokens=max_new, ignore_eos=True),
-            eos_token_ids=frozenset({VOCAB}), arrival_ts=time.monotonic()))
+            eos_token_ids=frozenset({VOCAB})))
 
     for _ in range(args.running):
         add(max_tokens)
@@ -242,10 +242,7 @@ def main() -> None:
         parser.error("--steps must be a multiple of --block")
     report = measure(args)
     print_table(report)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.out}")
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

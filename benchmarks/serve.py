@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import contextlib
 import itertools
-import json
 import os
 import socket
 import subprocess
@@ -45,6 +44,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+from report_file import write_report  # noqa: E402  (sibling module)
 from rich.console import Console
 from rich.table import Table
 
@@ -270,10 +270,7 @@ def main() -> None:
     server_args = [a for a in server_args if a != "--"]
     report = measure(args, server_args)
     print_tables(report)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.out}")
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":
