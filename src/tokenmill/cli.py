@@ -8,6 +8,7 @@ Bad input ends in one line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
@@ -87,7 +88,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
     config = engine_config_from(args)
-    llm = LLM(**{f: getattr(config, f) for f in EngineConfig.option_names()})
+    llm = LLM(**dataclasses.asdict(config))
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])

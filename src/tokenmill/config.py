@@ -7,7 +7,7 @@ so ``LLM(**options)``, ``tokenmill serve --...`` and ``EngineConfig(...)`` agree
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from tokenmill.sampling_params import InvalidParameterError
 
@@ -44,10 +44,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.validate()
-
-    @classmethod
-    def option_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
     def validate(self) -> None:
         def positive(name: str, value: int | None, allow_none: bool = False) -> None:

@@ -195,8 +195,8 @@ class Scheduler:
             block_ids=self.kv.block_ids(request.req_id),
             sample=start + num_new == request.num_tokens,
             sampling_params=params,
-            prompt_token_ids=tuple(request.prompt_token_ids),
-            output_token_ids=tuple(request.output_token_ids),
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
             mask_stop_tokens=banned,
         )
 

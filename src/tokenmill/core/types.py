@@ -7,6 +7,7 @@ picklable values.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.metrics.records import (
@@ -33,8 +34,10 @@ class ScheduledRequest:
     block_ids: tuple[int, ...]  # the request's whole block table
     sample: bool
     sampling_params: SamplingParams
-    prompt_token_ids: tuple[int, ...]  # for penalties and seeding; read-only
-    output_token_ids: tuple[int, ...]
+    # NOTE: the request's own lists, not copies (no per-step O(length) copy); read-only,
+    # and valid only until the scheduler's update for this step.
+    prompt_token_ids: Sequence[int]  # for penalties
+    output_token_ids: Sequence[int]  # for penalties and seeding
     mask_stop_tokens: frozenset[int] = frozenset()  # banned while below min_tokens
 
 

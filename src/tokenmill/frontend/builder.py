@@ -45,7 +45,7 @@ def build_engine(config: EngineConfig) -> Engine:
     num_blocks = _num_kv_blocks(config, model_config, dtype, max_model_len)
     runner = ModelRunner(model, device, dtype, num_blocks, config.block_size, seed=config.seed)
     core = EngineCore(config, runner, num_blocks, max_model_len)
-    vocab_size = min(model_config.vocab_size, max(tokenizer.vocab_size, 1))
+    vocab_size = min(model_config.vocab_size, tokenizer.vocab_size)
     processor = InputProcessor(tokenizer, max_model_len, vocab_size)
     logger.info("model %s on %s (%s): %d KV blocks of %d tokens, max_model_len %d",
                 model_name_for(config.model), device, str(dtype).removeprefix("torch."),
