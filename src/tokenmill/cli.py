@@ -18,6 +18,7 @@ from tokenmill.sampling_params import SamplingParams
 
 _ENGINE_HELP = {
     "dtype": "auto (bf16 where the hardware has it), float32, bfloat16 or float16",
+    "quantization": "none (default) or int8: int8 weights, bfloat16 activations (CPU)",
     "device": "auto (CUDA when present), cpu or cuda[:N]",
     "max_model_len": "longest prompt + output in tokens (default: the model's, at most 8192)",
     "block_size": "tokens per KV-cache block",
@@ -35,7 +36,7 @@ _BOOL_OPTIONS = ("enable_prefix_caching", "enable_chunked_prefill")
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     for name, help_text in _ENGINE_HELP.items():
-        kind = str if name in ("dtype", "device", "kv_cache_memory") else int
+        kind = str if name in ("dtype", "quantization", "device", "kv_cache_memory") else int
         group.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help_text)
     for name in _BOOL_OPTIONS:
         group.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction,

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from tokenmill.sampling_params import InvalidParameterError
 
+QUANTIZATION_CHOICES = ("none", "int8")
+
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
                "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 
@@ -29,6 +31,7 @@ def parse_size(text: str | int) -> int:
 class EngineConfig:
     model: str | None = None  # HF folder or GGUF file; None: the embedded SmolLM2
     dtype: str = "auto"
+    quantization: str = "none"  # "none" or "int8"
     device: str = "auto"
     max_model_len: int | None = None  # None: the model's context length, capped at 8192
     block_size: int = 16
@@ -60,6 +63,10 @@ class EngineConfig:
         positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         positive("max_num_queued_requests", self.max_num_queued_requests, allow_none=True)
         positive("max_num_queued_tokens", self.max_num_queued_tokens, allow_none=True)
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise InvalidParameterError(
+                f"unknown quantization {self.quantization!r} (choose one of: "
+                f"{', '.join(QUANTIZATION_CHOICES)})", "quantization")
         if self.kv_cache_memory_bytes < 1:
             raise InvalidParameterError("kv_cache_memory must be positive", "kv_cache_memory")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):

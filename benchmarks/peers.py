@@ -1,0 +1,167 @@
+"""tokenmill against other servers, side by side in one run, with the host's roofline.
+
+Runs the same streaming load (``--input-len`` prompt tokens, exactly ``--output-len``
+output tokens with ``ignore_eos``, ``/v1/completions``, concurrency 1, 4, 16 and 64 by
+default) against one or more tokenmill configurations, each started as ``tokenmill
+serve`` in turn, and against every peer URL given with ``--peer NAME=URL`` (a server
+already running: vLLM, llama.cpp's ``llama-server``, ...), one server at a time, each
+level with fresh prompts so nothing comes from a prefix cache.
+
+Prints one table: per server and concurrency, output tok/s, TTFT and ITL p50/p99, the
+ratio of the first tokenmill configuration to each peer, and the fraction of the host's
+roofline reached (``roofline.py``: the measured matmul peak and read bandwidth, for
+``--roofline-dtype``; quantized weights read fewer bytes, so they can pass 1.0).
+Writes everything to JSON. Usage::
+
+    python benchmarks/peers.py --peer vllm=http://127.0.0.1:8001 \\
+        [--config tokenmill=] [--config int8='--quantization int8'] \\
+        [--concurrency 1 4 16 64] [--requests-per-stream 2] [--peer-tokenizer DIR] \\
+        [--roofline-dtype float32] [--out FILE]
+
+A configuration is ``NAME=SERVER OPTIONS`` (empty options: the defaults). Peers are
+asked with ``--peer-tokenizer`` (a Hugging Face tokenizer folder of the same model)
+when they have no ``/tokenize``, so every server gets prompts of the same length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import shlex
+
+from report_file import write_report  # noqa: E402  (sibling module)
+from rich.console import Console
+from rich.table import Table
+from roofline import measure_host, serving_bound
+from serve import ms, row, running_server
+
+from tokenmill.bench import BenchConfig, run_benchmark
+from tokenmill.models.gguf_loader import open_gguf
+from tokenmill.models.loader import default_model_path
+
+BYTES_PER_WEIGHT = {"float32": 4, "bfloat16": 2}
+
+
+def named(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
+def model_size() -> tuple[int, int]:
+    """(parameters of every matmul incl. the LM head, all weights) of the embedded model."""
+    cfg, _ = open_gguf(default_model_path())
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
+    matmuls = cfg.num_hidden_layers * per_layer + cfg.vocab_size * h
+    embedding = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
+    return matmuls, matmuls + embedding
+
+
+class Levels:
+    """Runs every concurrency level against one server, each with its own prompt seed."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.seeds = itertools.count(args.seed)
+
+    def run(self, base_url: str, tokenizer: str | None) -> list[dict]:
+        rows = []
+        for concurrency in self.args.concurrency:
+            config = BenchConfig(
+                base_url=base_url, concurrency=concurrency,
+                num_requests=concurrency * self.args.requests_per_stream,
+                input_len=self.args.input_len, output_len=self.args.output_len,
+                ignore_eos=True, seed=next(self.seeds), tokenizer=tokenizer)
+            result = asyncio.run(run_benchmark(config))
+            rows.append(row(result.summary, concurrency=concurrency))
+            print(f"  c{concurrency}: {rows[-1]['output_tok_s']:.1f} tok/s", flush=True)
+        return rows
+
+
+def measure(args: argparse.Namespace) -> dict:
+    host = measure_host()
+    matmul_params, weights = model_size()
+    weight_bytes = weights * BYTES_PER_WEIGHT[args.roofline_dtype]
+    bounds = {c: serving_bound(host, matmul_params, weight_bytes, args.roofline_dtype,
+                               args.input_len, args.output_len, c) for c in args.concurrency}
+    levels = Levels(args)
+    servers = []
+    for name, options in args.config or [("tokenmill", "")]:
+        print(f"{name}: tokenmill serve {options}", flush=True)
+        with running_server(args.model, shlex.split(options)) as base_url:
+            servers.append({"name": name, "kind": "tokenmill", "options": options,
+                            "rows": levels.run(base_url, None)})
+    for name, url in args.peer:
+        print(f"{name}: {url}", flush=True)
+        servers.append({"name": name, "kind": "peer", "url": url,
+                        "rows": levels.run(url, args.peer_tokenizer)})
+    reference = {r["concurrency"]: r for r in servers[0]["rows"]}
+    for server in servers:
+        for r in server["rows"]:
+            r["roofline_tok_s"] = bounds[r["concurrency"]]
+            r["roofline_fraction"] = r["output_tok_s"] / bounds[r["concurrency"]]
+            r["ratio_reference_to_this"] = (reference[r["concurrency"]]["output_tok_s"]
+                                            / r["output_tok_s"] if r["output_tok_s"] else None)
+    return {"host": host, "cpu_count": os.cpu_count(), "model_matmul_params": matmul_params,
+            "model_weights": weights, "args": vars(args), "reference": servers[0]["name"],
+            "servers": servers}
+
+
+def print_table(report: dict) -> None:
+    args, host = report["args"], report["host"]
+    console = Console(width=140)
+    table = Table(title=f"{args['input_len']} in / {args['output_len']} out, streaming, "
+                        f"{args['requests_per_stream']} requests per stream; ratio = "
+                        f"{report['reference']} / server")
+    for column in ("server", "streams", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
+                   "ITL p50 ms", "ITL p99 ms", "ok", "ratio", "roofline"):
+        table.add_column(column, justify="right")
+    for server in report["servers"]:
+        for index, r in enumerate(server["rows"]):
+            last = index == len(server["rows"]) - 1
+            table.add_row(server["name"] if index == 0 else "", str(r["concurrency"]),
+                          f"{r['output_tok_s']:.1f}", ms(r["ttft_p50_ms"]),
+                          ms(r["ttft_p99_ms"]), ms(r["itl_p50_ms"]), ms(r["itl_p99_ms"]),
+                          str(r["requests_ok"]),
+                          f"{r['ratio_reference_to_this']:.2f}"
+                          if r["ratio_reference_to_this"] else "-",
+                          f"{r['roofline_fraction']:.0%}", end_section=last)
+    console.print(table)
+    bounds = ", ".join(f"c{r['concurrency']} {r['roofline_tok_s']:.0f}"
+                       for r in report["servers"][0]["rows"])
+    console.print(f"host ({host['threads']} threads): float32 matmul "
+                  f"{host['float32_gflops']:.0f} GFLOP/s, bfloat16 {host['bfloat16_gflops']:.0f} "
+                  f"GFLOP/s, reads {host['read_gbps']:.1f} GB/s; roofline in "
+                  f"{args['roofline_dtype']} (output tok/s): {bounds}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=named, action="append",
+                        help="NAME=TOKENMILL SERVE OPTIONS (repeatable; the first is the "
+                             "reference of the ratios)")
+    parser.add_argument("--peer", type=named, action="append", default=[],
+                        help="NAME=URL of a running OpenAI-compatible server (repeatable)")
+    parser.add_argument("--peer-tokenizer", default=None,
+                        help="Hugging Face tokenizer folder, for peers without /tokenize")
+    parser.add_argument("--model", default=None, help="model for tokenmill (default: embedded)")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--requests-per-stream", type=int, default=2)
+    parser.add_argument("--roofline-dtype", choices=sorted(BYTES_PER_WEIGHT), default="float32")
+    parser.add_argument("--seed", type=int, default=0, help="first prompt seed")
+    parser.add_argument("--out", default="benchmarks/results/peers.json")
+    args = parser.parse_args()
+    report = measure(args)
+    print_table(report)
+    write_report(report, args.out)
+
+
+if __name__ == "__main__":
+    main()

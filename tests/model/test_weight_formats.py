@@ -1,0 +1,123 @@
+"""Weight formats on CPU: each packed form computes what plain ``F.linear`` does, within its
+precision, and the host's support decides which one a model gets."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+from paged_runner import PagedRunner
+from safetensors.torch import load_file
+
+from tokenmill.models import weight_formats
+from tokenmill.models.config import ModelConfig
+from tokenmill.models.layers import Linear
+from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.loader import load_model
+from tokenmill.models.perplexity import perplexity
+from tokenmill.models.weight_formats import (
+    Int8Weight,
+    OneDNNWeight,
+    choose_weight_format,
+    onednn_supports,
+)
+from tokenmill.sampling_params import InvalidParameterError
+from tokenmill.tokenizer.tokenizer import load_tokenizer
+
+CPU = torch.device("cpu")
+BF16 = torch.bfloat16
+TEXT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "public_domain.txt")
+
+
+def unpacked_model(model_dir: str, dtype: torch.dtype) -> LlamaForCausalLM:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        model = LlamaForCausalLM(ModelConfig.from_hf_dict(json.load(f)), dtype, CPU)
+    for file in glob.glob(os.path.join(model_dir, "*.safetensors")):
+        model.load_weights(load_file(file).items())
+    return model
+
+
+def mixed_batch_logits(model) -> torch.Tensor:
+    runner = PagedRunner(model, block_size=4)
+    runner.step([(0, list(range(30, 60))), (1, list(range(100, 105)))])
+    return runner.step([(0, [7]), (1, list(range(200, 220))), (2, [9, 10, 11])])
+
+
+def packed_formats(model) -> set[type]:
+    formats = {type(m.packed) for m in model.modules() if isinstance(m, Linear)}
+    if model.lm_head is None:
+        formats.add(type(model.packed_tied_head))
+    return formats
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama_untied", "qwen2"])
+def test_onednn_bf16_matches_plain_bf16(tiny_model_dir, variant):
+    if not onednn_supports(BF16):
+        pytest.skip("oneDNN cannot reorder bfloat16 weights on this CPU "
+                    "(it needs AVX512-BW/VL/DQ or AVX-NE-CONVERT)")
+    model_dir = tiny_model_dir(variant)
+    packed, _ = load_model(model_dir, BF16, CPU)
+    assert packed_formats(packed) == {OneDNNWeight}
+
+    got = mixed_batch_logits(packed)
+    plain = mixed_batch_logits(unpacked_model(model_dir, BF16))
+    reference = mixed_batch_logits(unpacked_model(model_dir, torch.float32))
+    torch.testing.assert_close(got, plain, atol=0.02, rtol=0.02)
+    torch.testing.assert_close(got, reference, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+def test_onednn_float32_matches_plain_float32(tiny_model_dir, variant):
+    if not onednn_supports(torch.float32):
+        pytest.skip("this torch build has no oneDNN")
+    model_dir = tiny_model_dir(variant)
+    packed, _ = load_model(model_dir, torch.float32, CPU)
+    assert packed_formats(packed) == {OneDNNWeight}
+    torch.testing.assert_close(mixed_batch_logits(packed),
+                               mixed_batch_logits(unpacked_model(model_dir, torch.float32)),
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama_untied", "qwen2"])
+def test_int8_weights_match_bf16_within_quantization_error(tiny_model_dir, variant):
+    model_dir = tiny_model_dir(variant)
+    quantized, _ = load_model(model_dir, BF16, CPU, "int8")
+    assert packed_formats(quantized) == {Int8Weight}
+    got = mixed_batch_logits(quantized).float()
+    reference = mixed_batch_logits(unpacked_model(model_dir, torch.float32))
+    torch.testing.assert_close(got, reference, atol=0.15, rtol=0.05)
+
+
+def test_without_onednn_support_weights_stay_plain(tiny_model_dir, monkeypatch):
+    """An AVX2-only host cannot reorder bfloat16 for oneDNN: the model must still load."""
+    monkeypatch.setattr(weight_formats, "onednn_supports", lambda dtype: False)
+    assert choose_weight_format(BF16, CPU) is None
+    model, _ = load_model(tiny_model_dir("llama"), BF16, CPU)
+    assert packed_formats(model) == {type(None)}
+    assert torch.isfinite(mixed_batch_logits(model)).all()
+
+
+@pytest.mark.parametrize("dtype,device,message", [
+    (torch.float32, CPU, "computes in bfloat16"),
+    (torch.float16, CPU, "computes in bfloat16"),
+    (BF16, torch.device("cuda"), "CPU only"),
+])
+def test_int8_rejects_what_it_cannot_run(dtype, device, message):
+    with pytest.raises(InvalidParameterError, match=message) as info:
+        choose_weight_format(dtype, device, "int8")
+    assert info.value.param == "quantization"
+
+
+@pytest.mark.slow
+def test_int8_perplexity_of_smollm2_within_two_percent():
+    """The accuracy int8 costs, bounded: the embedded model on a fixed public-domain text."""
+    with open(TEXT, encoding="utf-8") as f:
+        token_ids = load_tokenizer(None).encode(f.read())
+    assert len(token_ids) > 500
+    exact = perplexity(load_model(None, torch.float32, CPU)[0], token_ids)
+    quantized = perplexity(load_model(None, BF16, CPU, "int8")[0], token_ids)
+    assert 5 < exact < 20  # the model reads English: a sanity bound on the measure itself
+    assert quantized <= exact * 1.02, f"int8 perplexity {quantized:.3f} vs {exact:.3f}"
