@@ -1,9 +1,11 @@
-"""Batched streaming: concurrent streams progress together; a client that goes away
-has its request aborted and its blocks freed."""
+"""Batched streaming: concurrent streams progress together; a client that goes away,
+streaming or not, has its request aborted and its blocks freed."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import time
 
 import httpx
@@ -51,3 +53,25 @@ def test_client_disconnect_aborts_and_frees_blocks(tiny_server) -> None:
     generated = (after["tokenmill_generation_tokens_total"]
                  - before["tokenmill_generation_tokens_total"])
     assert 3 <= generated < 200  # the aborted request's tokens still count
+
+
+def test_departed_non_streaming_client_is_aborted(tiny_server) -> None:
+    """A non-streaming request whose client disconnects is aborted at the next engine
+    step, counted as an abort, and its blocks freed."""
+    before = tiny_server.metrics()
+    body = json.dumps({"prompt": "A very long story", "max_tokens": 240, "ignore_eos": True})
+    with socket.create_connection(("127.0.0.1", tiny_server.port)) as sock:
+        sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                      f"{body}").encode())
+        deadline = time.monotonic() + 30
+        while tiny_server.metrics()["tokenmill_generation_tokens_total"] == \
+                before["tokenmill_generation_tokens_total"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    after = tiny_server.wait_idle()
+    aborted = "tokenmill_request_success_total{finished_reason=abort}"
+    assert after[aborted] == before[aborted] + 1
+    generated = (after["tokenmill_generation_tokens_total"]
+                 - before["tokenmill_generation_tokens_total"])
+    assert 1 <= generated < 240
