@@ -17,7 +17,7 @@ from server_process import ServerProcess
 @pytest.mark.slow
 def test_sigterm_drains_then_aborts_with_usage() -> None:
     # the real model, so that the long request cannot finish within the drain
-    server = ServerProcess(None, "--max-model-len", "2048", "--shutdown-timeout", "5")
+    server = ServerProcess(None, "--max-model-len", "2048", "--shutdown-timeout", "10")
     try:
         url = server.base_url + "/v1/completions"
         events: list[dict] = []
