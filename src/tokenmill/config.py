@@ -21,7 +21,7 @@ def parse_size(text: str | int, param: str = "kv_cache_memory") -> int:
         return text
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise InvalidParameterError(f"not a size: {text!r} (try 2GiB)", param)
+        raise InvalidParameterError(f"not a memory size: {text!r} (try 2GiB)", param)
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
