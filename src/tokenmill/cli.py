@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 
 from tokenmill import __version__
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, parse_size
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.limits import RequestLimits
 
 _ENGINE_HELP = {
     "dtype": "auto (bf16 where the hardware has it), float32, bfloat16 or float16",
@@ -31,6 +33,15 @@ _ENGINE_HELP = {
     "max_num_queued_tokens": "answer 503 beyond this many waiting prompt tokens",
 }
 _BOOL_OPTIONS = ("enable_prefix_caching", "enable_chunked_prefill")
+_LIMIT_HELP = {
+    "max_n": "most choices (n) per request",
+    "max_prompts_per_request": "most prompts in one completions request",
+    "max_logprobs": "most top logprobs per token (logprobs, top_logprobs)",
+    "max_stop_strings": "most stop strings, and most stop_token_ids, per request",
+    "max_stop_string_length": "most characters in one stop string",
+    "max_request_id_length": "most characters in an x-request-id header",
+}
+API_KEY_ENV = "TOKENMILL_API_KEY"
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +67,19 @@ def _serve_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/*; repeat to accept "
+                        f"several keys (default: ${API_KEY_ENV}, if set)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds requests in flight get to finish after SIGTERM")
+    limits = p.add_argument_group("request limits")
+    limits.add_argument("--max-request-body-size", default=None,
+                        help="largest request body, e.g. 8MiB (413 beyond it; default "
+                             f"{RequestLimits().max_request_body_bytes >> 20}MiB)")
+    defaults = RequestLimits()
+    for name, help_text in _LIMIT_HELP.items():
+        limits.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                            help=f"{help_text} (default {getattr(defaults, name)})")
     p.add_argument("--default-continuous-usage-stats", action="store_true",
                    help="streams without stream_options get usage on every chunk")
     p.add_argument("--metrics-vllm-names", action="store_true",
@@ -103,7 +126,24 @@ def _run_generate(args: argparse.Namespace) -> int:
 def _run_serve(args: argparse.Namespace) -> int:
     from tokenmill.server.run import serve
 
-    return serve(args, engine_config_from(args))
+    return serve(args, engine_config_from(args), api_keys_from(args), request_limits_from(args))
+
+
+def api_keys_from(args: argparse.Namespace) -> tuple[str, ...]:
+    """The keys of ``--api-key`` (all of them), else ``$TOKENMILL_API_KEY``, else none."""
+    keys = args.api_key or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else [])
+    if any(not key.strip() for key in keys):
+        raise ValueError("--api-key must not be empty")
+    return tuple(keys)
+
+
+def request_limits_from(args: argparse.Namespace) -> RequestLimits:
+    options = {name: getattr(args, name) for name in _LIMIT_HELP
+               if getattr(args, name) is not None}
+    if args.max_request_body_size is not None:
+        options["max_request_body_bytes"] = parse_size(args.max_request_body_size,
+                                                       "max_request_body_size")
+    return RequestLimits(**options)
 
 
 def build_parser() -> argparse.ArgumentParser:

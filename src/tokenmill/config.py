@@ -17,13 +17,13 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 
                "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 
 
-def parse_size(text: str | int) -> int:
+def parse_size(text: str | int, param: str = "kv_cache_memory") -> int:
     """Bytes from ``4GiB``, ``512M``, ``1073741824`` (binary units)."""
     if isinstance(text, int):
         return text
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise InvalidParameterError(f"not a memory size: {text!r} (try 2GiB)", "kv_cache_memory")
+        raise InvalidParameterError(f"not a memory size: {text!r} (try 2GiB)", param)
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 

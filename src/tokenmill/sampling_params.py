@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-MAX_LOGPROBS = 20
-
 
 class InvalidParameterError(ValueError):
     """A user-supplied value is out of range; ``param`` names the field."""
@@ -55,7 +53,6 @@ class SamplingParams:
 
     def validate(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, "n must be at least 1", "n")
-        _check(self.n <= 128, "n must be at most 128", "n")
         _check(self.temperature >= 0.0, "temperature must be non-negative", "temperature")
         _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", "top_p")
         _check(self.top_k >= 0, "top_k must be -1 (disabled), 0 (disabled) or positive", "top_k")
@@ -73,8 +70,7 @@ class SamplingParams:
             _check(self.min_tokens <= self.max_tokens,
                    "min_tokens must not exceed max_tokens", "min_tokens")
         if self.logprobs is not None:
-            _check(0 <= self.logprobs <= MAX_LOGPROBS,
-                   f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
+            _check(self.logprobs >= 0, "logprobs must be non-negative", "logprobs")
         _check(all(isinstance(s, str) and s for s in self.stop),
                "stop strings must be non-empty strings", "stop")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

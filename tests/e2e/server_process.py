@@ -19,14 +19,15 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: str | None, *args: str, startup_timeout: float = 180.0) -> None:
+    def __init__(self, model: str | None, *args: str, startup_timeout: float = 180.0,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "tokenmill.cli", "serve"]
         if model is not None:
             command.append(model)
         command += ["--port", str(self.port), "--dtype", "float32", *args]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"tokenmill-{self.port}.log")
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,

@@ -1,8 +1,10 @@
-"""An engine failure after streaming began reaches the client as an error event with the
-usage so far, then [DONE]; the server then goes on serving."""
+"""A failed model step fails only that step's requests: a stream gets an error event with
+the usage so far, then [DONE]; requests outside the step carry on; the server goes on
+serving. After repeated consecutive failures /health answers 503."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
@@ -22,22 +24,35 @@ from tokenmill.server.serving import ServerOptions
 
 
 class FailingExecutor:
-    """Runs the real model runner, but raises once on its ``fail_at``-th step."""
+    """Runs the real model runner, but raises on its ``fail_at``-th step, and on every
+    step while ``always`` is set."""
 
-    def __init__(self, runner, fail_at: int) -> None:
-        self.runner, self.fail_at, self.calls = runner, fail_at, 0
+    def __init__(self, runner, fail_at: int = 0) -> None:
+        self.runner, self.fail_at, self.calls, self.always = runner, fail_at, 0, False
+        self.batches: list[set[str]] = []  # the requests of each step
 
     def execute(self, scheduler_output):
         self.calls += 1
-        if self.calls == self.fail_at:
+        self.batches.append({r.req_id for r in scheduler_output.requests})
+        if self.always or self.calls == self.fail_at:
             raise RuntimeError("device lost")
         return self.runner.execute(scheduler_output)
 
 
 @pytest.fixture
 def failing_server(tiny_model):
-    engine = build_engine(EngineConfig(model=tiny_model, dtype="float32", num_kv_blocks=256))
-    engine.core.executor = FailingExecutor(engine.core.executor, fail_at=5)
+    yield from _serve(tiny_model, fail_at=5)
+
+
+@pytest.fixture
+def one_at_a_time_server(tiny_model):
+    yield from _serve(tiny_model, fail_at=5, max_num_seqs=1)
+
+
+def _serve(tiny_model: str, fail_at: int, **config):
+    engine = build_engine(EngineConfig(model=tiny_model, dtype="float32", num_kv_blocks=256,
+                                       **config))
+    engine.core.executor = FailingExecutor(engine.core.executor, fail_at=fail_at)
     metrics = PrometheusMetrics("tiny")
     async_engine = AsyncEngine(engine.core, engine.tokenizer, [metrics], [metrics])
     app = build_app(async_engine, engine.processor, metrics, ServerOptions("tiny"),
@@ -77,3 +92,42 @@ def test_error_mid_stream_is_an_event_with_usage(failing_server) -> None:
     engine.core.check_integrity()
     metrics = httpx.get(base + "/metrics").text
     assert re.search(r'tokenmill_request_success_total\{finished_reason="error".*\} 1\.0', metrics)
+
+
+def test_only_the_failed_steps_requests_fail(one_at_a_time_server) -> None:
+    """One request runs at a time: the step that fails holds the first, not the second,
+    which then completes."""
+    base, engine = one_at_a_time_server
+
+    async def main():
+        async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+            first = asyncio.create_task(client.post("/v1/completions", json={
+                "prompt": "fails", "max_tokens": 20, "ignore_eos": True}))
+            await asyncio.sleep(0.05)
+            second = await client.post("/v1/completions", json={
+                "prompt": "survives", "max_tokens": 8, "ignore_eos": True})
+            return await first, second
+
+    first, second = asyncio.run(main())
+    assert first.status_code == 500 and "device lost" in first.json()["error"]["message"]
+    assert second.status_code == 200, second.text
+    assert second.json()["usage"]["completion_tokens"] == 8
+    failed_step = engine.core.executor.batches[4]
+    assert len(failed_step) == 1  # the second request was waiting, not in the failed step
+    engine.core.check_integrity()
+    assert engine.core.kv.pool.num_used_blocks == 0
+
+
+def test_health_fails_after_repeated_consecutive_failures(failing_server) -> None:
+    base, engine = failing_server
+    engine.core.executor.fail_at, engine.core.executor.always = 0, True
+    for attempt in range(3):
+        assert httpx.get(base + "/health").status_code == 200, attempt
+        r = httpx.post(base + "/v1/completions", timeout=30, json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "internal_server_error"
+    assert httpx.get(base + "/health").status_code == 503
+    engine.core.executor.always = False
+    r = httpx.post(base + "/v1/completions", timeout=30, json={"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 200
+    assert httpx.get(base + "/health").status_code == 200
+    engine.core.check_integrity()

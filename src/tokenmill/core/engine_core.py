@@ -24,6 +24,19 @@ from tokenmill.core.types import (
 from tokenmill.metrics.records import FinishReason, IterationStats
 
 
+class StepFailed(RuntimeError):
+    """The model raised during a step (the cause is chained).
+
+    Only that step's requests are affected: they are finished with reason ``error``,
+    their blocks freed (none of the failed step's blocks entered the prefix cache), and
+    ``outputs`` holds their final outputs. The core is ready for its next step.
+    """
+
+    def __init__(self, outputs: EngineCoreOutputs, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.outputs = outputs
+
+
 class ModelExecutor(Protocol):
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
@@ -58,7 +71,14 @@ class EngineCore:
         if scheduler_output.is_empty:
             runner_output = ModelRunnerOutput(sampled={})
         else:
-            runner_output = self.executor.execute(scheduler_output)
+            try:
+                runner_output = self.executor.execute(scheduler_output)
+            except Exception as error:
+                self.abort_requests([r.req_id for r in scheduler_output.requests],
+                                    FinishReason.ERROR)
+                outputs, self._pending = tuple(self._pending), []
+                raise StepFailed(EngineCoreOutputs(outputs, self.scheduler.make_stats(), None),
+                                 error) from error
         result = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, self._pending = self._pending + result.outputs, []
         num_preemptions, queries, hits = self.scheduler.take_step_counters()

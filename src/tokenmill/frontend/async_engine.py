@@ -27,7 +27,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from tokenmill.core.engine_core import EngineCore
+from tokenmill.core.engine_core import EngineCore, StepFailed
 from tokenmill.core.request import EngineCoreRequest
 from tokenmill.core.types import EngineCoreOutput, EngineCoreOutputs
 from tokenmill.frontend.outputs import ChoiceDelta
@@ -64,6 +64,7 @@ class RequestStream:
         self._num_unfinished = len(choices)
         self.error: str | None = None  # why the engine ended this request, on finish "error"
         self._closed = False  # the reader went away
+        engine._open_streams.add(self)
 
     def num_cached_tokens(self, index: int) -> int:
         """Prompt tokens that choice ``index`` found in the prefix cache."""
@@ -104,6 +105,7 @@ class RequestStream:
         its response started).
         """
         self._closed = True
+        self.engine._open_streams.discard(self)
         if self._num_unfinished:
             self.abort()
             while not self._queue.empty():  # queued deltas will never be read
@@ -130,6 +132,8 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # by choice (engine request) id
+        self._open_streams: set[RequestStream] = set()  # responses not yet closed
+        self.consecutive_failures = 0  # failed steps since the last good one
         self._pending_requests = 0  # added but not yet taken by the engine thread
         self._pending_tokens = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -188,6 +192,16 @@ class AsyncEngine:
             raise AdmissionRejected(f"the server's queue is full ({cap} waiting tokens)",
                                     "max_num_queued_tokens")
 
+    @property
+    def num_in_flight(self) -> int:
+        """API requests whose responses have not ended yet."""
+        return len(self._open_streams)
+
+    def abort_all(self) -> None:
+        """Abort every request in flight; their readers still get the final deltas."""
+        for stream in list(self._open_streams):
+            stream.abort()
+
     def abort_choices(self, req_ids: list[str], reason: FinishReason) -> None:
         if req_ids:
             self._inbox.put(_Abort(req_ids, reason))
@@ -216,7 +230,14 @@ class AsyncEngine:
                     continue
                 idle_published = False
                 self._publish(self.core.step())
+                self.consecutive_failures = 0
+            except StepFailed as failed:
+                self.consecutive_failures += 1
+                logger.error("engine step failed; its %d request(s) end with an error",
+                             len(failed.outputs.outputs), exc_info=failed.__cause__)
+                self._publish(failed.outputs, f"engine error: {failed}")
             except Exception as error:  # noqa: BLE001 - the loop must survive to report it
+                self.consecutive_failures += 1
                 logger.exception("engine step failed")
                 self._fail_all(error)
 
@@ -236,10 +257,12 @@ class AsyncEngine:
         self._pending_requests -= 1
         self._pending_tokens -= num_tokens
 
-    def _publish(self, outputs: EngineCoreOutputs) -> None:
-        self._loop.call_soon_threadsafe(self._dispatch, outputs)
+    def _publish(self, outputs: EngineCoreOutputs, error: str | None = None) -> None:
+        """Hand ``outputs`` to the event loop; ``error`` says why those that ended with
+        finish reason ``error`` did (``RequestStream.error``)."""
+        self._loop.call_soon_threadsafe(self._dispatch, outputs, error)
 
-    def _dispatch(self, outputs: EngineCoreOutputs) -> None:
+    def _dispatch(self, outputs: EngineCoreOutputs, error: str | None) -> None:
         for sink in self.step_sinks:
             sink.record_step(outputs.scheduler_stats, outputs.iteration_stats)
         for out in outputs.outputs:
@@ -248,18 +271,13 @@ class AsyncEngine:
                 continue
             if out.finished:
                 del self._streams[out.req_id]
+                if out.finish_reason is FinishReason.ERROR:
+                    stream.error = error
             stream._on_output(out)
 
     def _fail_all(self, error: Exception) -> None:
-        """A failed step ends every request in flight with finish reason ``error``
-        (``RequestStream.error`` says why); the engine goes on serving new requests."""
-        req_ids = list(self.core.scheduler.requests)
-        self._loop.call_soon_threadsafe(self._mark_failed, req_ids, f"engine error: {error}")
-        self.core.abort_requests(req_ids, FinishReason.ERROR)
-        self._publish(self.core.step())
-
-    def _mark_failed(self, req_ids: list[str], message: str) -> None:
-        for req_id in req_ids:
-            stream = self._streams.get(req_id)
-            if stream is not None:
-                stream.error = message
+        """A step that failed outside the model (the core's state is in doubt) ends every
+        request in flight with finish reason ``error``; the engine goes on serving new
+        requests."""
+        self.core.abort_requests(list(self.core.scheduler.requests), FinishReason.ERROR)
+        self._publish(self.core.step(), f"engine error: {error}")

@@ -26,15 +26,20 @@ class InputProcessor:
             if not prompt:
                 raise InvalidParameterError("prompt must not be empty", "prompt")
             return self.tokenizer.encode(prompt)
-        ids = list(prompt)
+        ids = self.check_token_ids(prompt, "prompt")
         if not ids:
             raise InvalidParameterError("prompt must not be empty", "prompt")
+        return ids
+
+    def check_token_ids(self, token_ids: Sequence[int], param: str) -> list[int]:
+        """``token_ids`` as a list, once each is known to be inside the vocabulary."""
+        ids = list(token_ids)
         for token_id in ids:
             if not isinstance(token_id, int) or isinstance(token_id, bool) or not (
                     0 <= token_id < self.vocab_size):
                 raise InvalidParameterError(
                     f"token id {token_id!r} is outside the vocabulary [0, {self.vocab_size})",
-                    "prompt")
+                    param)
         return ids
 
     def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
@@ -55,10 +60,10 @@ class InputProcessor:
     def make_core_requests(self, request_id: str, prompt_token_ids: list[int],
                            params: SamplingParams) -> list[EngineCoreRequest]:
         max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params)
-        for token_id in params.stop_token_ids:
-            if token_id >= self.vocab_size:
-                raise InvalidParameterError(f"stop token id {token_id} is outside the vocabulary",
-                                            "stop_token_ids")
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise InvalidParameterError(
+                f"logprobs must be at most the vocabulary size ({self.vocab_size})", "logprobs")
         prompt = tuple(prompt_token_ids)
         eos = self.tokenizer.eos_token_ids
         group = request_id if params.n > 1 else None

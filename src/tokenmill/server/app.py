@@ -1,4 +1,4 @@
-"""The FastAPI application: routes, API-key check, request ids, metrics exposition."""
+"""The FastAPI application: routes and metrics exposition, behind ``RequestGate``."""
 
 from __future__ import annotations
 
@@ -16,25 +16,30 @@ from tokenmill.frontend.processor import InputProcessor
 from tokenmill.metrics.log import StatLogger
 from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.server.errors import APIError, error_response, install_error_handlers
+from tokenmill.server.lifecycle import ServerLifecycle
+from tokenmill.server.middleware import RequestGate
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from tokenmill.server.serving import OpenAIServing, ServerOptions, new_request_id
+from tokenmill.server.serving import OpenAIServing, ServerOptions
 
 logger = logging.getLogger("tokenmill")
 
 
 def build_app(engine: AsyncEngine, processor: InputProcessor, metrics: PrometheusMetrics,
               options: ServerOptions, max_model_len: int,
-              stat_logger: StatLogger | None = None) -> FastAPI:
+              stat_logger: StatLogger | None = None,
+              lifecycle: ServerLifecycle | None = None) -> FastAPI:
     serving = OpenAIServing(engine, processor, metrics, options)
+    lifecycle = lifecycle or ServerLifecycle(engine, shutdown_timeout=0.0)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         engine.attach(asyncio.get_running_loop())
+        lifecycle.attach(asyncio.get_running_loop())
         ticker = asyncio.create_task(_log_periodically(stat_logger)) if stat_logger else None
         try:
             yield
@@ -45,21 +50,12 @@ def build_app(engine: AsyncEngine, processor: InputProcessor, metrics: Prometheu
 
     app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
-
-    @app.middleware("http")
-    async def request_context(request: Request, call_next):
-        if options.api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {options.api_key}":
-                return error_response(401, "invalid or missing API key", None, "invalid_api_key")
-        request_id = request.headers.get("x-request-id") or new_request_id()
-        request.state.request_id = request_id
-        response = await call_next(request)
-        response.headers["x-request-id"] = request_id
-        return response
+    app.add_middleware(RequestGate, limits=options.limits, api_keys=options.api_keys,
+                       lifecycle=lifecycle)
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        return Response(status_code=200 if lifecycle.healthy() else 503)
 
     @app.get("/version")
     async def version() -> dict:
@@ -73,20 +69,21 @@ def build_app(engine: AsyncEngine, processor: InputProcessor, metrics: Prometheu
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await serving.completions(body, request.state.request_id)
+        return await serving.completions(body, request.state.request_id, request.receive)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        return await serving.chat(body, request.state.request_id)
+        return await serving.chat(body, request.state.request_id, request.receive)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
-        serving._check_model(body.model)
+        serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
             tokens = engine.tokenizer.apply_chat_template(
-                [m.model_dump(exclude_none=True) for m in body.messages])
+                [m.model_dump(exclude_none=True) for m in body.messages],
+                add_generation_prompt=body.add_generation_prompt)
         else:
             tokens = engine.tokenizer.encode(body.prompt,
                                              add_special_tokens=body.add_special_tokens)
@@ -94,9 +91,9 @@ def build_app(engine: AsyncEngine, processor: InputProcessor, metrics: Prometheu
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
-        serving._check_model(body.model)
-        processor.tokenize(body.tokens)  # vocabulary check
-        return {"prompt": engine.tokenizer.decode(body.tokens)}
+        serving.check_model(body.model)
+        tokens = processor.check_token_ids(body.tokens, "tokens")
+        return {"prompt": engine.tokenizer.decode(tokens)}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -108,7 +105,6 @@ def build_app(engine: AsyncEngine, processor: InputProcessor, metrics: Prometheu
         return error_response(400, str(exc))
 
     return app
-
 
 
 async def _log_periodically(stat_logger: StatLogger) -> None:

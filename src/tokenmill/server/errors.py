@@ -5,6 +5,8 @@ Every error leaves the server as ``{"error": {"message", "type", "param", "code"
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -13,8 +15,11 @@ from starlette.exceptions import HTTPException
 from tokenmill.frontend.async_engine import AdmissionRejected
 from tokenmill.sampling_params import InvalidParameterError
 
+logger = logging.getLogger("tokenmill")
+
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          503: "service_unavailable", 500: "internal_server_error"}
+          405: "invalid_request_error", 413: "invalid_request_error",
+          500: "internal_server_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -66,3 +71,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request failed", exc_info=exc)
+        return error_response(500, "internal server error")

@@ -8,14 +8,18 @@ finish chunk when the choice ended without one (a stop string or an abort).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive
 
 from tokenmill.frontend.async_engine import AdmissionRejected, AsyncEngine, RequestStream
 from tokenmill.frontend.outputs import ChoiceDelta
@@ -24,16 +28,20 @@ from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError, error_body
 from tokenmill.server.formats import ChatFormat, CompletionFormat
+from tokenmill.server.limits import RequestLimits
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, _Common
 
 logger = logging.getLogger("tokenmill")
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
 class ServerOptions:
     served_model_name: str
     default_continuous_usage_stats: bool = False
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any one of them opens /v1/*; none: no key needed
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 @dataclass(slots=True)
@@ -79,26 +87,35 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
 
     # ---------------------------------------------------------------- entry
-    async def completions(self, body: CompletionRequest, request_id: str):
+    async def completions(self, body: CompletionRequest, request_id: str, receive: Receive):
+        params = self._checked_params(body, "logprobs")
         prompts = body.prompts()
+        self.options.limits.check_num_prompts(len(prompts))
         prompt_ids = [self.processor.tokenize(p) for p in prompts]
         echo = None
         if body.echo:
             echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
         fmt = CompletionFormat(self.tokenizer)
-        return await self._serve(body, request_id, prompt_ids, echo, fmt)
+        return await self._serve(body, params, request_id, prompt_ids, echo, fmt, receive)
 
-    async def chat(self, body: ChatCompletionRequest, request_id: str):
+    async def chat(self, body: ChatCompletionRequest, request_id: str, receive: Receive):
+        params = self._checked_params(body, "top_logprobs")
         ids = self.tokenizer.apply_chat_template(body.message_dicts(),
                                                  add_generation_prompt=body.add_generation_prompt)
-        return await self._serve(body, request_id, [self.processor.tokenize(ids)], None,
-                                 ChatFormat(self.tokenizer))
+        return await self._serve(body, params, request_id, [self.processor.tokenize(ids)], None,
+                                 ChatFormat(self.tokenizer), receive)
 
-    async def _serve(self, body: _Common, request_id: str, prompt_ids: list[list[int]],
-                     echo: list[str] | None, fmt: CompletionFormat):
-        self._check_model(body.model)
-        body.check_stream_options()
+    def _checked_params(self, body: _Common, logprobs_param: str) -> SamplingParams:
+        """The request's sampling settings, once the model, fields and limits are checked."""
+        self.check_model(body.model)
+        body.check_fields()
         params = body.to_sampling_params()
+        self.options.limits.check_params(params, logprobs_param)
+        return params
+
+    async def _serve(self, body: _Common, params: SamplingParams, request_id: str,
+                     prompt_ids: list[list[int]], echo: list[str] | None, fmt: CompletionFormat,
+                     receive: Receive):
         arrival = time.monotonic()
         # NOTE: clients choose request ids (x-request-id) and may reuse them; engine ids
         # must be unique, so the engine gets its own.
@@ -118,11 +135,14 @@ class OpenAIServing:
         if body.stream:
             return _EngineStreamResponse(stream, self._sse(job, body, fmt))
         try:
-            return JSONResponse(await self._collect(job, body, fmt))
+            return JSONResponse(await _unless_disconnected(self._collect(job, body, fmt), receive))
+        except _ClientGone:
+            logger.info("request %s: client disconnected; aborted", request_id)
+            return Response(status_code=499)  # nobody reads it
         finally:
             stream.close()
 
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.options.served_model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{self.options.served_model_name!r}", "model", "model_not_found")
@@ -218,10 +238,32 @@ class _EngineStreamResponse(StreamingResponse):
             self._stream.close()
 
 
+class _ClientGone(Exception):
+    pass
+
+
+async def _unless_disconnected(work: Awaitable[T], receive: Receive) -> T:
+    """``work``'s result; if the client disconnects first, ``work`` is cancelled and
+    ``_ClientGone`` raised. ``receive`` must be past the request body."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise _ClientGone
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 def _sse_data(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
 
