@@ -41,6 +41,9 @@ class EngineConfig:
     seed: int = 0
     max_num_queued_requests: int | None = None
     max_num_queued_tokens: int | None = None
+    speculative_ngram: int = 0  # K: draft up to K tokens per step by prompt lookup; 0: off
+    ngram_min: int = 2  # shortest suffix a lookup may match
+    ngram_max: int = 4  # longest suffix a lookup tries first
 
     def __post_init__(self) -> None:
         self.validate()
@@ -60,6 +63,17 @@ class EngineConfig:
         positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         positive("max_num_queued_requests", self.max_num_queued_requests, allow_none=True)
         positive("max_num_queued_tokens", self.max_num_queued_tokens, allow_none=True)
+        positive("ngram_min", self.ngram_min)
+        positive("ngram_max", self.ngram_max)
+        if (not isinstance(self.speculative_ngram, int) or isinstance(self.speculative_ngram, bool)
+                or self.speculative_ngram < 0):
+            raise InvalidParameterError(
+                f"speculative_ngram must be 0 (off) or a positive integer, got "
+                f"{self.speculative_ngram!r}", "speculative_ngram")
+        if self.ngram_min > self.ngram_max:
+            raise InvalidParameterError(
+                f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})",
+                "ngram_min")
         if self.kv_cache_memory_bytes < 1:
             raise InvalidParameterError("kv_cache_memory must be positive", "kv_cache_memory")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
