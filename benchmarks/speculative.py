@@ -128,6 +128,8 @@ def main() -> None:
                         best[mode] = run
             same = sum(a == b for a, b in zip(best["off"]["outputs"], best["on"]["outputs"],
                                               strict=True))
+            print(f"{case}: on/off {best['on']['output_tok_s'] / best['off']['output_tok_s']:.2f}",
+                  flush=True)
             results[case] = {
                 "requests": len(batch),
                 "identical_outputs": same,
