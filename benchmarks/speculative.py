@@ -93,6 +93,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="--speculative-ngram of the 'on' engine")
     parser.add_argument("--ngram-min", type=int, default=2)
     parser.add_argument("--ngram-max", type=int, default=4)
+    parser.add_argument("--disable-by-batch-size", type=int, default=4,
+                        help="--speculative-disable-by-batch-size of the 'on' engine")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=1)
@@ -103,7 +105,8 @@ def main() -> None:
     engines = {
         "off": LLM(dtype=args.dtype),
         "on": LLM(dtype=args.dtype, speculative_ngram=args.k, ngram_min=args.ngram_min,
-                  ngram_max=args.ngram_max),
+                  ngram_max=args.ngram_max,
+                  speculative_disable_by_batch_size=args.disable_by_batch_size),
     }
     tokenizer = engines["off"].tokenizer
 

@@ -32,6 +32,8 @@ _ENGINE_HELP = {
                          "last tokens up in the prompt and output (default 0: off)",
     "ngram_min": "shortest run of last tokens a draft lookup may match (default 2)",
     "ngram_max": "longest run of last tokens a draft lookup tries first (default 4)",
+    "speculative_disable_by_batch_size": "no drafts in a step while more than this many "
+                                         "requests run (default 4)",
 }
 _BOOL_OPTIONS = ("enable_prefix_caching", "enable_chunked_prefill")
 

@@ -44,6 +44,7 @@ class EngineConfig:
     speculative_ngram: int = 0  # K: draft up to K tokens per step by prompt lookup; 0: off
     ngram_min: int = 2  # shortest suffix a lookup may match
     ngram_max: int = 4  # longest suffix a lookup tries first
+    speculative_disable_by_batch_size: int = 4  # no drafts while more requests run
 
     def __post_init__(self) -> None:
         self.validate()
@@ -63,6 +64,7 @@ class EngineConfig:
         positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         positive("max_num_queued_requests", self.max_num_queued_requests, allow_none=True)
         positive("max_num_queued_tokens", self.max_num_queued_tokens, allow_none=True)
+        positive("speculative_disable_by_batch_size", self.speculative_disable_by_batch_size)
         positive("ngram_min", self.ngram_min)
         positive("ngram_max", self.ngram_max)
         if (not isinstance(self.speculative_ngram, int) or isinstance(self.speculative_ngram, bool)

@@ -18,7 +18,8 @@ from tokenmill.core.model_runner import ModelRunner
 from tokenmill.core.types import ScheduledRequest, SchedulerOutput
 from tokenmill.models.loader import load_model
 
-SPEC = {"speculative_ngram": 4, "ngram_min": 1, "ngram_max": 3}
+SPEC = {"speculative_ngram": 4, "ngram_min": 1, "ngram_max": 3,
+        "speculative_disable_by_batch_size": 64}  # drafts in every batch
 
 
 def repetitive_prompts(count: int, seed: int = 0) -> list[list[int]]:

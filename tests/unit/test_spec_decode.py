@@ -54,7 +54,7 @@ def test_speculative_outputs_equal_plain_decoding(schedule) -> None:
     """Every request gets exactly the model's continuation; drafts are both accepted and
     rejected; a request never holds a block past its last token after a step."""
     core = make_core(next_token=periodic_model, speculative_ngram=3, ngram_min=1,
-                     **SCHEDULES[schedule])
+                     speculative_disable_by_batch_size=64, **SCHEDULES[schedule])
     rng = random.Random(1)
     requests = []
     for _ in range(12):
@@ -102,6 +102,19 @@ def test_drafts_never_pass_max_tokens_or_max_model_len() -> None:
     assert sum(len(o.new_token_ids) for o in outputs[long.req_id]) == 40 - len(prompt) - 1
     assert outputs[long.req_id][-1].finish_reason is FinishReason.LENGTH
     assert max(len(o.new_token_ids) for o in outputs[long.req_id]) > 1
+
+
+def test_no_drafts_while_the_batch_is_larger_than_the_limit() -> None:
+    core = make_core(next_token=periodic_model, speculative_ngram=3, ngram_min=1,
+                     speculative_disable_by_batch_size=2)
+    for i in range(3):
+        core.add_request(make_request([5 + i, 6, 7, 8, 9, 5 + i, 6, 7], max_tokens=12))
+    while core.has_work():
+        num_running = len(core.scheduler.running)
+        stats = core.step().iteration_stats
+        if num_running > 2:
+            assert stats.num_draft_tokens == 0
+    core.check_integrity()
 
 
 def test_stop_token_inside_accepted_drafts_stops_there() -> None:

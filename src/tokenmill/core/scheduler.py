@@ -9,7 +9,9 @@ front of the waiting queue to be recomputed.
 
 With speculative decoding (``speculative_ngram`` K > 0) a running request that is about
 to sample also computes up to K draft tokens (spec_decode.py), budget and blocks
-permitting: drafts are dropped before anyone is preempted for them. After the step
+permitting: drafts are dropped before anyone is preempted for them. No request drafts
+while more than ``speculative_disable_by_batch_size`` requests run: a large batch is
+no longer bound by reading the weights, and drafts would cost real compute. After the step
 its computed tokens advance past the accepted drafts only, and blocks that held
 nothing but rejected drafts go back to the pool.
 
@@ -65,6 +67,7 @@ class Scheduler:
         self.proposer = (NgramProposer(config.speculative_ngram, config.ngram_min,
                                        config.ngram_max)
                          if config.speculative_ngram else None)
+        self.speculative_max_batch = config.speculative_disable_by_batch_size
         self.requests: dict[str, Request] = {}
         # NOTE: finished requests may linger in ``waiting`` (lazy removal on abort);
         # ``num_waiting`` is the true count.
@@ -138,7 +141,8 @@ class Scheduler:
     def _propose_drafts(self, request: Request, budget: int) -> tuple[int, ...]:
         """Drafts for a request about to sample, no more than its budget, ``max_tokens``
         and ``max_model_len`` leave room for after one sampled token."""
-        if self.proposer is None or request.num_tokens_to_compute != 1:
+        if (self.proposer is None or request.num_tokens_to_compute != 1
+                or len(self.running) > self.speculative_max_batch):
             return ()
         room = min(budget, request.max_tokens - request.num_output_tokens,
                    self.max_model_len - request.num_tokens) - 1
