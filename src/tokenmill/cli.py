@@ -31,6 +31,12 @@ _ENGINE_HELP = {
     "seed": "seed of the default random generator",
     "max_num_queued_requests": "answer 503 beyond this many waiting requests",
     "max_num_queued_tokens": "answer 503 beyond this many waiting prompt tokens",
+    "speculative_ngram": "speculative decoding: draft up to K tokens per step by looking the "
+                         "last tokens up in the prompt and output (default 0: off)",
+    "ngram_min": "shortest run of last tokens a draft lookup may match (default 2)",
+    "ngram_max": "longest run of last tokens a draft lookup tries first (default 4)",
+    "speculative_disable_by_batch_size": "no drafts in a step while more than this many "
+                                         "requests run (default 4)",
 }
 _BOOL_OPTIONS = ("enable_prefix_caching", "enable_chunked_prefill")
 _LIMIT_HELP = {

@@ -44,6 +44,10 @@ class EngineConfig:
     seed: int = 0
     max_num_queued_requests: int | None = None
     max_num_queued_tokens: int | None = None
+    speculative_ngram: int = 0  # K: draft up to K tokens per step by prompt lookup; 0: off
+    ngram_min: int = 2  # shortest suffix a lookup may match
+    ngram_max: int = 4  # longest suffix a lookup tries first
+    speculative_disable_by_batch_size: int = 4  # no drafts while more requests run
 
     def __post_init__(self) -> None:
         self.validate()
@@ -67,6 +71,18 @@ class EngineConfig:
             raise InvalidParameterError(
                 f"unknown quantization {self.quantization!r} (choose one of: "
                 f"{', '.join(QUANTIZATION_CHOICES)})", "quantization")
+        positive("speculative_disable_by_batch_size", self.speculative_disable_by_batch_size)
+        positive("ngram_min", self.ngram_min)
+        positive("ngram_max", self.ngram_max)
+        if (not isinstance(self.speculative_ngram, int) or isinstance(self.speculative_ngram, bool)
+                or self.speculative_ngram < 0):
+            raise InvalidParameterError(
+                f"speculative_ngram must be 0 (off) or a positive integer, got "
+                f"{self.speculative_ngram!r}", "speculative_ngram")
+        if self.ngram_min > self.ngram_max:
+            raise InvalidParameterError(
+                f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})",
+                "ngram_min")
         if self.kv_cache_memory_bytes < 1:
             raise InvalidParameterError("kv_cache_memory must be positive", "kv_cache_memory")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):

@@ -2,12 +2,15 @@
 
 The "model" continues any sequence with ``(sum of its tokens) % vocab``: the next token
 depends on the whole context, so a scheduling bug that feeds wrong tokens shows up in
-the output, and the same prompt always yields the same continuation.
+the output, and the same prompt always yields the same continuation. Another rule can
+be passed as ``next_token``. Speculative drafts are verified as the real runner does:
+the model's token at each position, accepted while it equals the draft.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Sequence
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_core import EngineCore
@@ -19,10 +22,15 @@ VOCAB = 1000
 EOS = 999
 
 
-def expected_continuation(prompt: list[int], num_tokens: int) -> list[int]:
+def sum_model(sequence: Sequence[int]) -> int:
+    return sum(sequence) % VOCAB
+
+
+def expected_continuation(prompt: list[int], num_tokens: int,
+                          next_token: Callable[[Sequence[int]], int] = sum_model) -> list[int]:
     seq = list(prompt)
     for _ in range(num_tokens):
-        seq.append(sum(seq) % VOCAB)
+        seq.append(next_token(seq))
     return seq[len(prompt):]
 
 
@@ -34,9 +42,11 @@ class FakeExecutor:
     output.
     """
 
-    def __init__(self, block_size: int, tokens_per_step: int = 1) -> None:
+    def __init__(self, block_size: int, tokens_per_step: int = 1,
+                 next_token: Callable[[Sequence[int]], int] = sum_model) -> None:
         self.block_size = block_size
         self.tokens_per_step = tokens_per_step  # > 1: as if speculative drafts were accepted
+        self.next_token = next_token
         self.slots: dict[tuple[int, int], int] = {}
         self.steps: list[SchedulerOutput] = []
 
@@ -51,10 +61,16 @@ class FakeExecutor:
                 p = item.start_pos + offset
                 self.slots[(item.block_ids[p // bs], p % bs)] = token
             if item.sample:
-                sequence = context + list(item.token_ids)
-                for _ in range(self.tokens_per_step):
-                    sequence.append(sum(sequence) % VOCAB)
-                sampled[item.req_id] = tuple(sequence[-self.tokens_per_step:])
+                drafts = item.draft_token_ids
+                sequence = context + list(item.token_ids[:len(item.token_ids) - len(drafts)])
+                new = [self.next_token(sequence)]
+                for draft in drafts:
+                    if new[-1] != draft:
+                        break
+                    new.append(self.next_token(sequence + new))
+                while len(new) < self.tokens_per_step:
+                    new.append(self.next_token(sequence + new))
+                sampled[item.req_id] = tuple(new)
         return ModelRunnerOutput(sampled=sampled, forward_time=0.001)
 
 
@@ -73,9 +89,10 @@ def make_request(prompt: list[int], max_tokens: int = 8, group_id: str | None = 
 
 
 def make_core(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 256,
-              tokens_per_step: int = 1, **options) -> EngineCore:
+              tokens_per_step: int = 1, next_token: Callable[[Sequence[int]], int] = sum_model,
+              **options) -> EngineCore:
     config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, **options)
-    return EngineCore(config, FakeExecutor(block_size, tokens_per_step), num_blocks,
+    return EngineCore(config, FakeExecutor(block_size, tokens_per_step, next_token), num_blocks,
                       max_model_len)
 
 

@@ -224,7 +224,7 @@ def test_vllm_names_carry_the_same_values_only_when_enabled():
         m.record_request_params(n=2, max_tokens=16)
     s = scrape(both)
     aliased = [spec for spec in METRICS if spec.vllm_name]
-    assert len(aliased) == 22
+    assert len(aliased) == 25
     for spec in aliased:
         for suffix in ("", "_bucket", "_count", "_sum"):
             ours = {lb: v for (n, lb), v in s.items() if n == spec.name + suffix}

@@ -204,6 +204,10 @@ def test_to_dict_has_the_api_shape_and_is_json():
         "num_prompt_tokens",
         "num_generation_tokens",
         "finish_reason",
+        "num_draft_tokens",
+        "num_accepted_tokens",
+        "draft_acceptance_rate",
     ]
     assert json.loads(json.dumps(d)) == d
+    assert d["draft_acceptance_rate"] is None
     assert d["finish_reason"] == "stop" and d["e2e_latency"] == 1.0

@@ -80,6 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="lengths uniform in len*(1-r)..len*(1+r)")
     prompts.add_argument("--dataset", help="JSONL: prompt, optional max_tokens/output_len")
     prompts.add_argument("--ignore-eos", action="store_true")
+    prompts.add_argument("--temperature", type=float, default=None,
+                         help="sampling temperature of every request (default: the server's)")
     prompts.add_argument("--seed", type=int, default=0)
     prompts.add_argument("--tokenizer", help="local Hugging Face tokenizer folder")
     out = parser.add_argument_group("output")
@@ -137,7 +139,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         endpoint=args.endpoint, concurrency=args.concurrency, request_rate=args.request_rate,
         burstiness=args.burstiness, num_requests=args.num_requests, duration=args.duration,
         input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
-        dataset=args.dataset, ignore_eos=args.ignore_eos, seed=args.seed,
+        dataset=args.dataset, ignore_eos=args.ignore_eos, temperature=args.temperature,
+        seed=args.seed,
         tokenizer=args.tokenizer, goodput=parse_goodput(args.goodput or []),
         timeout=args.timeout, progress=not args.no_progress)
 

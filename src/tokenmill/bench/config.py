@@ -50,6 +50,7 @@ class BenchConfig:
     range_ratio: float = 0.0  # lengths uniform in [len * (1 - r), len * (1 + r)]
     dataset: str | None = None  # JSONL with "prompt" and optional "max_tokens"/"output_len"
     ignore_eos: bool = False
+    temperature: float | None = None  # None: the server's default
     seed: int = 0
     tokenizer: str | None = None  # local Hugging Face tokenizer folder
     goodput: dict[str, float] = field(default_factory=dict)  # SLO key -> milliseconds

@@ -28,6 +28,9 @@ def figures(summary: dict) -> list[tuple[str, float | int | None]]:
         ("total token throughput (tok/s)", summary["total_token_throughput"]),
         ("prompt tokens", summary["total_prompt_tokens"]),
         ("output tokens", summary["total_output_tokens"]),
+        # NOTE: .get: results written before these figures existed lack them
+        ("tokens per chunk (mean)", summary.get("mean_tokens_per_chunk")),
+        ("tokens per chunk (max)", summary.get("max_tokens_per_chunk")),
     ]
     for key, name in LATENCIES:
         rows.extend((f"{name} {stat} (ms)", summary[key][stat]) for stat in STATS)

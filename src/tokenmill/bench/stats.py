@@ -12,6 +12,8 @@ Definitions (latencies in milliseconds):
   its steady state; leaving them out would keep only the earliest ones). A cut-off
   request that got no token has no TTFT. ITL pools the per-token samples;
 - TPOT and E2EL: over ok requests only (they need the request's end);
+- tokens per chunk: over every chunk that carried a token, of all requests (above 1
+  when the server commits several tokens per step, as with speculative decoding);
 - failed requests give no latency samples (their timing is that of the failure);
 - goodput: ok requests meeting every given SLO (TTFT, TPOT, E2EL <= limit) / duration;
   a request with fewer than 2 tokens has no TPOT and meets a TPOT SLO.
@@ -55,6 +57,8 @@ class Summary:
     tpot_ms: Distribution
     itl_ms: Distribution
     e2el_ms: Distribution
+    mean_tokens_per_chunk: float | None  # None when no chunk carried a token
+    max_tokens_per_chunk: int | None
     goodput: float | None  # requests / s meeting every SLO; None without SLOs
     goodput_slos_ms: dict[str, float]
     counting_method: str  # the one method used, "mixed", or "none"
@@ -100,6 +104,7 @@ def summarize(records: list[RequestRecord], duration_s: float,
     output_tokens = sum(r.output_tokens for r in records)
     methods = Counter(r.counting_method.value for r in records if method_is_informative(r))
     overall = "none" if not methods else next(iter(methods)) if len(methods) == 1 else "mixed"
+    chunk_tokens = [k for r in records for _, k in r.chunks]
     goodput = None
     if slos_ms:
         goodput = sum(meets_slos(r, slos_ms) for r in ok) / duration_s
@@ -114,6 +119,8 @@ def summarize(records: list[RequestRecord], duration_s: float,
         tpot_ms=distribution([r.tpot_s for r in ok if r.tpot_s is not None]),
         itl_ms=distribution([s for r in timed for s in r.itl_s]),
         e2el_ms=distribution([r.e2e_s for r in ok]),
+        mean_tokens_per_chunk=(sum(chunk_tokens) / len(chunk_tokens) if chunk_tokens else None),
+        max_tokens_per_chunk=max(chunk_tokens, default=None),
         goodput=goodput, goodput_slos_ms=dict(slos_ms),
         counting_method=overall, counting_methods=dict(methods),
     )

@@ -42,6 +42,7 @@ class Endpoint:
     headers: dict[str, str]
     ignore_eos: bool
     stream_options: dict | None
+    temperature: float | None = None
 
     def payload(self, prompt: str, max_tokens: int) -> dict:
         body: dict = {"model": self.model, "max_tokens": max_tokens, "stream": True}
@@ -53,6 +54,8 @@ class Endpoint:
             body["stream_options"] = self.stream_options
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
         return body
 
 

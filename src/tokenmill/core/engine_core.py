@@ -95,6 +95,9 @@ class EngineCore:
                 num_preemptions=num_preemptions,
                 prefix_cache_queries=queries,
                 prefix_cache_hits=hits,
+                num_drafts=result.num_drafts,
+                num_draft_tokens=result.num_draft_tokens,
+                num_accepted_tokens=result.num_accepted_tokens,
             )
         return EngineCoreOutputs(tuple(outputs), self.scheduler.make_stats(), iteration)
 

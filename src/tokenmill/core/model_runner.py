@@ -8,7 +8,8 @@ The flat batch lays the scheduled requests' new tokens end to end::
 
     input_ids:  | r0: token_ids | r1: token_ids | ... |
     positions:  | start_pos ..  | start_pos ..  | ... |
-    logits are taken at the last token of every request scheduled with ``sample``.
+    logits are taken at the last token of every request scheduled with ``sample``, and
+    at each of its draft tokens' positions before (see spec_decode.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 import torch
 
 from tokenmill.core.sampler import Sampler, SamplingBatch
+from tokenmill.core.spec_decode import accept_drafts, verify_rows
 from tokenmill.core.types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.models.attention_metadata import AttentionMetadata
 
@@ -43,15 +45,13 @@ class ModelRunner:
             sampled: dict[str, tuple[int, ...]] = {}
             logprobs = {}
             if sample_rows:
-                rows = [index for index, _ in sample_rows]
+                # A request with k drafts samples its last 1 + k positions.
+                rows = [index + j for index, item in sample_rows
+                        for j in range(1 + len(item.draft_token_ids))]
                 items = [item for _, item in sample_rows]
                 logits = self.model.compute_logits(hidden[rows])
                 result = self.sampler(logits, self._sampling_batch(items))
-                for item, token_id, logprob in zip(items, result.token_ids, result.logprobs,
-                                                   strict=True):
-                    sampled[item.req_id] = (token_id,)
-                    if logprob is not None:
-                        logprobs[item.req_id] = (logprob,)
+                sampled, logprobs = accept_drafts(items, result.token_ids, result.logprobs)
         return ModelRunnerOutput(sampled, logprobs, forward_time=time.monotonic() - start)
 
     def _prepare(self, requests: tuple[ScheduledRequest, ...]):
@@ -75,7 +75,7 @@ class ModelRunner:
             seq_lens.append(item.start_pos + n)
             tables.append(list(blocks) + [0] * (max_blocks - len(blocks)))
             if item.sample:
-                sample_rows.append((query_start_loc[-1] - 1, item))
+                sample_rows.append((query_start_loc[-1] - 1 - len(item.draft_token_ids), item))
         device = self.device
         metadata = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
@@ -89,9 +89,10 @@ class ModelRunner:
                 torch.tensor(positions, dtype=torch.int64, device=device), metadata, sample_rows)
 
     def _sampling_batch(self, items: list[ScheduledRequest]) -> SamplingBatch:
+        rows = verify_rows(items)
         return SamplingBatch.build(
-            [item.sampling_params for item in items], self.vocab_size, self.device,
-            prompt_token_ids=[item.prompt_token_ids for item in items],
-            output_token_ids=[item.output_token_ids for item in items],
-            banned_token_ids=[item.mask_stop_tokens for item in items],
+            rows.params, self.vocab_size, self.device,
+            prompt_token_ids=rows.prompt_token_ids,
+            output_token_ids=rows.output_token_ids,
+            banned_token_ids=rows.banned_token_ids,
         )

@@ -69,6 +69,8 @@ class Request:
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         self.model_forward_time = 0.0
+        self.num_draft_tokens = 0  # speculative drafts verified
+        self.num_accepted_tokens = 0  # of which accepted
         self.is_prefilling = False  # between SCHEDULED and the step that commits a token
         self.has_been_scheduled = False
         self.events: list[RequestEvent] = []  # drained into each step's outputs

@@ -7,6 +7,14 @@ requests join in arrival order. When blocks run out, the most recently arrived r
 request is preempted: its blocks are freed, its output is kept, and it goes back to the
 front of the waiting queue to be recomputed.
 
+With speculative decoding (``speculative_ngram`` K > 0) a running request that is about
+to sample also computes up to K draft tokens (spec_decode.py), budget and blocks
+permitting: drafts are dropped before anyone is preempted for them. No request drafts
+while more than ``speculative_disable_by_batch_size`` requests run: a large batch is
+no longer bound by reading the weights, and drafts would cost real compute. After the step
+its computed tokens advance past the accepted drafts only, and blocks that held
+nothing but rejected drafts go back to the pool.
+
 Queue accounting (the tokens-waiting gauges) is kept as running sums that change only
 when a request enters or leaves the waiting queue; nothing walks the queue per step::
 
@@ -26,6 +34,7 @@ from dataclasses import dataclass, field
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache.manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.spec_decode import NgramProposer
 from tokenmill.core.types import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -43,6 +52,9 @@ class StepResult:
     num_generation_tokens: int = 0
     num_prompt_tokens: int = 0
     num_cached_prompt_tokens: int = 0
+    num_drafts: int = 0  # requests that verified drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class Scheduler:
@@ -52,6 +64,10 @@ class Scheduler:
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.max_model_len = max_model_len
         self.kv = kv
+        self.proposer = (NgramProposer(config.speculative_ngram, config.ngram_min,
+                                       config.ngram_max)
+                         if config.speculative_ngram else None)
+        self.speculative_max_batch = config.speculative_disable_by_batch_size
         self.requests: dict[str, Request] = {}
         # NOTE: finished requests may linger in ``waiting`` (lazy removal on abort);
         # ``num_waiting`` is the true count.
@@ -91,33 +107,49 @@ class Scheduler:
     # -------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[tuple[Request, int, tuple[int, ...]]] = []
         budget, preempted = self._schedule_running(budget, scheduled)
         if not preempted:
             self._schedule_waiting(budget, scheduled)
         finished, self._finished_req_ids = frozenset(self._finished_req_ids), set()
-        return SchedulerOutput(tuple(self._describe(r, n) for r, n in scheduled), finished)
+        return SchedulerOutput(tuple(self._describe(*entry) for entry in scheduled), finished)
 
-    def _schedule_running(self, budget: int, out: list[tuple[Request, int]]) -> tuple[int, bool]:
+    def _schedule_running(self, budget: int, out: list[tuple[Request, int, tuple[int, ...]]],
+                          ) -> tuple[int, bool]:
         """Serve running requests in order, preempting from the tail when blocks run out."""
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens_to_compute, budget)
-            while not self.kv.allocate(request, num_new):
+            drafts = self._propose_drafts(request, budget)
+            while not self.kv.allocate(request, num_new + len(drafts)):
+                if drafts:  # drafts never cost another request its place
+                    drafts = ()
+                    continue
                 # NOTE: the victim is always at or after i, so nothing already in ``out``
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     return budget, preempted
-            out.append((request, num_new))
-            budget -= num_new
+            out.append((request, num_new, drafts))
+            budget -= num_new + len(drafts)
             i += 1
         return budget, preempted
 
-    def _schedule_waiting(self, budget: int, out: list[tuple[Request, int]]) -> None:
+    def _propose_drafts(self, request: Request, budget: int) -> tuple[int, ...]:
+        """Drafts for a request about to sample, no more than its budget, ``max_tokens``
+        and ``max_model_len`` leave room for after one sampled token."""
+        if (self.proposer is None or request.num_tokens_to_compute != 1
+                or len(self.running) > self.speculative_max_batch):
+            return ()
+        room = min(budget, request.max_tokens - request.num_output_tokens,
+                   self.max_model_len - request.num_tokens) - 1
+        return self.proposer.propose(request.all_token_ids, room)
+
+    def _schedule_waiting(self, budget: int,
+                          out: list[tuple[Request, int, tuple[int, ...]]]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.is_finished:  # aborted while waiting
@@ -139,7 +171,7 @@ class Scheduler:
             self._count_cache_query(request, num_cached)
             request.num_computed_tokens = num_cached
             self._start_running(request)
-            out.append((request, num_new))
+            out.append((request, num_new, ()))
             budget -= num_new
 
     def _count_cache_query(self, request: Request, num_cached: int) -> None:
@@ -181,7 +213,8 @@ class Scheduler:
         request.record(RequestEventType.PREEMPTED)
         self._enqueue(request, front=True)
 
-    def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _describe(self, request: Request, num_new: int,
+                  drafts: tuple[int, ...]) -> ScheduledRequest:
         start = request.num_computed_tokens
         params = request.sampling_params
         below_min = request.num_output_tokens < params.min_tokens
@@ -190,7 +223,7 @@ class Scheduler:
             banned = request.eos_token_ids | frozenset(params.stop_token_ids)
         return ScheduledRequest(
             req_id=request.req_id,
-            token_ids=tuple(request.all_token_ids[start:start + num_new]),
+            token_ids=tuple(request.all_token_ids[start:start + num_new]) + drafts,
             start_pos=start,
             block_ids=self.kv.block_ids(request.req_id),
             sample=start + num_new == request.num_tokens,
@@ -198,6 +231,7 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             mask_stop_tokens=banned,
+            draft_token_ids=drafts,
         )
 
     # ---------------------------------------------------------------- update
@@ -210,17 +244,35 @@ class Scheduler:
             request = self.requests.get(item.req_id)
             if request is None:  # finished (aborted) while the step ran
                 continue
-            request.num_computed_tokens += len(item.token_ids)
+            num_drafts = len(item.draft_token_ids)
+            request.num_computed_tokens += len(item.token_ids) - num_drafts
             request.model_forward_time += runner_output.forward_time
             self.kv.cache_computed_blocks(request)
             token_ids = runner_output.sampled.get(item.req_id)
             if not token_ids:
                 continue
             committed = self._commit(request, token_ids, now, result)
+            if num_drafts:
+                self._settle_drafts(request, num_drafts, len(token_ids) - 1, result)
             logprobs = runner_output.logprobs.get(item.req_id)
             result.outputs.append(self.make_output(
                 request, committed, logprobs[:len(committed)] if logprobs else None))
         return result
+
+    def _settle_drafts(self, request: Request, num_drafts: int, num_accepted: int,
+                       result: StepResult) -> None:
+        """Count a verification; keep the accepted drafts' KV and free what only held
+        rejected ones (nothing to do for a request that finished)."""
+        request.num_draft_tokens += num_drafts
+        request.num_accepted_tokens += num_accepted
+        result.num_drafts += 1
+        result.num_draft_tokens += num_drafts
+        result.num_accepted_tokens += num_accepted
+        if request.is_finished:
+            return
+        request.num_computed_tokens += num_accepted
+        self.kv.cache_computed_blocks(request)
+        self.kv.trim(request)
 
     def _commit(self, request: Request, token_ids: tuple[int, ...], now: float,
                 result: StepResult) -> tuple[int, ...]:
@@ -260,6 +312,8 @@ class Scheduler:
             num_preemptions=request.num_preemptions if finished else 0,
             num_recomputed_tokens=request.num_recomputed_tokens if finished else 0,
             model_forward_time=request.model_forward_time if finished else 0.0,
+            num_draft_tokens=request.num_draft_tokens if finished else 0,
+            num_accepted_tokens=request.num_accepted_tokens if finished else 0,
         )
 
     # ---------------------------------------------------------------- finish

@@ -25,7 +25,9 @@ class ScheduledRequest:
 
     It computes ``token_ids`` at positions ``start_pos ..``; when ``sample`` is set those
     tokens reach the end of the request's sequence and the last one's logits give its
-    next token.
+    next token. With speculative decoding, ``token_ids`` end with ``draft_token_ids``
+    (proposed, not yet output) and each of the last ``1 + len(draft_token_ids)``
+    positions is sampled to verify them (see spec_decode.py).
     """
 
     req_id: str
@@ -39,6 +41,7 @@ class ScheduledRequest:
     prompt_token_ids: Sequence[int]  # for penalties
     output_token_ids: Sequence[int]  # for penalties and seeding
     mask_stop_tokens: frozenset[int] = frozenset()  # banned while below min_tokens
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,8 @@ class EngineCoreOutput:
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
     model_forward_time: float = 0.0
+    num_draft_tokens: int = 0  # speculative drafts proposed for it, over its lifetime
+    num_accepted_tokens: int = 0  # of which accepted
 
     @property
     def finished(self) -> bool:

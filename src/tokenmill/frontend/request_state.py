@@ -3,7 +3,9 @@ counts and lifecycle events, turning engine-core outputs into ``ChoiceDelta``s.
 
 Invariant: a choice's ``num_output_tokens`` counts exactly the tokens whose text the
 client has been (or will be) sent; tokens the core commits after a stop string matched
-are dropped here, and the core is told to stop that choice.
+are dropped here, and the core is told to stop that choice. When one step commits
+several tokens (speculative decoding), the cut falls at the token that completed the
+stop string.
 """
 
 from __future__ import annotations
@@ -49,17 +51,16 @@ class ChoiceState:
         token_ids: tuple[int, ...] = ()
         text = ""
         if not self.stopped_by_string and out.new_token_ids:
-            token_ids = out.new_token_ids
-            text = self.detokenizer.add_tokens(list(token_ids))
+            token_ids, text = self._detokenize(out.new_token_ids)
             self.num_output_tokens += len(token_ids)
             if self.stopped_by_string:
                 self.stop_reason = self.detokenizer.stop_reason
                 self._stop_pending = not out.finished
+        logprobs = out.new_logprobs[:len(token_ids)] if out.new_logprobs and token_ids else None
         if not out.finished:
             if not token_ids:
                 return None
-            return ChoiceDelta(self.index, text, token_ids, out.new_logprobs,
-                               self.num_output_tokens)
+            return ChoiceDelta(self.index, text, token_ids, logprobs, self.num_output_tokens)
         self.finished = True
         self.final_output = out
         reason = out.finish_reason
@@ -70,9 +71,20 @@ class ChoiceState:
             stop_ids = self.params.stop_token_ids
             if reason is FinishReason.STOP and token_ids and token_ids[-1] in stop_ids:
                 self.stop_reason = token_ids[-1]
-        return ChoiceDelta(self.index, text, token_ids, out.new_logprobs if token_ids else None,
-                           self.num_output_tokens, finish_reason=reason.value,
-                           stop_reason=self.stop_reason)
+        return ChoiceDelta(self.index, text, token_ids, logprobs, self.num_output_tokens,
+                           finish_reason=reason.value, stop_reason=self.stop_reason)
+
+    def _detokenize(self, new_ids: tuple[int, ...]) -> tuple[tuple[int, ...], str]:
+        """(tokens kept, their text): with stop strings, one token at a time, dropping
+        the tokens after the one that completes a stop string."""
+        if not self.params.stop or len(new_ids) == 1:
+            return new_ids, self.detokenizer.add_tokens(list(new_ids))
+        text = ""
+        for count, token_id in enumerate(new_ids, 1):
+            text += self.detokenizer.add_tokens([token_id])
+            if self.stopped_by_string:
+                return new_ids[:count], text
+        return new_ids, text
 
     def take_stop_request(self) -> bool:
         """True once, when the core must be told to stop this choice (a stop string matched)."""
@@ -99,6 +111,8 @@ class ChoiceState:
             num_recomputed_tokens=final.num_recomputed_tokens if final else 0,
             num_preemptions=final.num_preemptions if final else 0,
             model_forward_time=final.model_forward_time if final else 0.0,
+            num_draft_tokens=final.num_draft_tokens if final else 0,
+            num_accepted_tokens=final.num_accepted_tokens if final else 0,
         )
 
 

@@ -7,7 +7,9 @@
     tokens waiting 1024, KV cache 37.5%, prefix cache hit rate 50.0%, preemptions 0
 
 (one line in the log; wrapped here). The hit rate is over the interval's lookups
-("n/a" when there were none). An idle engine logs one idle line, then stays quiet until
+("n/a" when there were none). With speculative decoding on, the line ends with
+``, draft acceptance rate 62.5%``: accepted / verified draft tokens over the interval
+("n/a" when no draft was verified). An idle engine logs one idle line, then stays quiet until
 something happens. ``now`` and ``start_ts`` are ``time.monotonic()`` values.
 """
 
@@ -38,12 +40,14 @@ class StatLogger:
         logger: logging.Logger = logging.getLogger("tokenmill"),  # noqa: B008
         *,
         start_ts: float | None = None,
+        speculative: bool = False,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.model_name = model_name
         self.interval_s = interval_s
         self.logger = logger
+        self.speculative = speculative
         self._last_log_ts = time.monotonic() if start_ts is None else start_ts
         self._scheduler = _EMPTY
         self._last_line_idle = False
@@ -55,6 +59,8 @@ class StatLogger:
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._preemptions = 0
+        self._draft_tokens = 0
+        self._accepted_tokens = 0
 
     def record_step(self, scheduler: SchedulerStats, iteration: IterationStats | None) -> None:
         """Keep the latest gauges; add the step's counts to the current interval."""
@@ -65,6 +71,8 @@ class StatLogger:
             self._prefix_queries += iteration.prefix_cache_queries
             self._prefix_hits += iteration.prefix_cache_hits
             self._preemptions += iteration.num_preemptions
+            self._draft_tokens += iteration.num_draft_tokens
+            self._accepted_tokens += iteration.num_accepted_tokens
 
     def maybe_log(self, now: float) -> bool:
         """Log the summary if ``interval_s`` has passed since the last one; True if it did."""
@@ -84,11 +92,8 @@ class StatLogger:
     def _format_line(self, elapsed: float) -> str:
         """The summary of the current interval, ``elapsed`` seconds long."""
         s = self._scheduler
-        if self._prefix_queries:
-            hit_rate = f"{100.0 * self._prefix_hits / self._prefix_queries:.1f}%"
-        else:
-            hit_rate = "n/a"
-        return (
+        hit_rate = _percent(self._prefix_hits, self._prefix_queries)
+        line = (
             f"{self.model_name}: prompt {self._prompt_tokens / elapsed:.1f} tok/s, "
             f"generation {self._generation_tokens / elapsed:.1f} tok/s, "
             f"running {s.num_running} reqs, waiting {s.num_waiting} reqs, "
@@ -96,3 +101,10 @@ class StatLogger:
             f"KV cache {100.0 * s.kv_cache_usage:.1f}%, prefix cache hit rate {hit_rate}, "
             f"preemptions {self._preemptions}"
         )
+        if self.speculative:
+            line += f", draft acceptance rate {_percent(self._accepted_tokens, self._draft_tokens)}"
+        return line
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole else "n/a"

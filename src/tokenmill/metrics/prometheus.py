@@ -100,6 +100,14 @@ METRICS: tuple[MetricSpec, ...] = (
                "vllm:prefix_cache_queries_total", "Tokens looked up in the prefix cache."),
     MetricSpec("prefix_hits", _C, "tokenmill_prefix_cache_hits_total",
                "vllm:prefix_cache_hits_total", "Looked-up tokens found in the prefix cache."),
+    MetricSpec("spec_drafts", _C, "tokenmill_spec_decode_num_drafts_total",
+               "vllm:spec_decode_num_drafts_total",
+               "Speculative verifications: one per request per step that verified drafts."),
+    MetricSpec("spec_draft_tokens", _C, "tokenmill_spec_decode_num_draft_tokens_total",
+               "vllm:spec_decode_num_draft_tokens_total", "Draft tokens verified."),
+    MetricSpec("spec_accepted_tokens", _C, "tokenmill_spec_decode_num_accepted_tokens_total",
+               "vllm:spec_decode_num_accepted_tokens_total",
+               "Draft tokens accepted (committed as sampled by the model)."),
     MetricSpec("success", _C, "tokenmill_request_success_total", "vllm:request_success_total",
                "Finished requests by finish reason.", label="finished_reason"),
     MetricSpec("rejections", _C, "tokenmill_admission_rejections_total", None,
@@ -226,6 +234,9 @@ class PrometheusMetrics:
         self._inc("preemptions", iteration.num_preemptions)
         self._inc("prefix_queries", iteration.prefix_cache_queries)
         self._inc("prefix_hits", iteration.prefix_cache_hits)
+        self._inc("spec_drafts", iteration.num_drafts)
+        self._inc("spec_draft_tokens", iteration.num_draft_tokens)
+        self._inc("spec_accepted_tokens", iteration.num_accepted_tokens)
         self._observe("iteration_tokens", iteration.num_scheduled_tokens)
         self._observe("step_time", iteration.step_time)
 

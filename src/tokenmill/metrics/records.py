@@ -76,3 +76,6 @@ class IterationStats:
     num_preemptions: int
     prefix_cache_queries: int  # tokens looked up in the prefix cache this step
     prefix_cache_hits: int  # of which found cached
+    num_drafts: int = 0  # requests that verified speculative drafts
+    num_draft_tokens: int = 0  # draft tokens verified
+    num_accepted_tokens: int = 0  # of which accepted

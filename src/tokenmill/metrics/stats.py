@@ -57,6 +57,13 @@ class RequestStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     finish_reason: FinishReason | None
+    num_draft_tokens: int = 0  # speculative drafts verified
+    num_accepted_tokens: int = 0  # of which accepted
+
+    @property
+    def draft_acceptance_rate(self) -> float | None:
+        """Accepted / verified draft tokens; None when no draft was verified."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     def to_dict(self) -> dict[str, float | int | str | None]:
         """The JSON shape used in API responses (ITL samples are left out: mean only)."""
@@ -76,6 +83,9 @@ class RequestStats:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generation_tokens": self.num_generation_tokens,
             "finish_reason": None if self.finish_reason is None else self.finish_reason.value,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "draft_acceptance_rate": self.draft_acceptance_rate,
         }
 
 
@@ -111,6 +121,8 @@ def compute_request_stats(
     num_recomputed_tokens: int,
     num_preemptions: int,
     model_forward_time: float,
+    num_draft_tokens: int = 0,
+    num_accepted_tokens: int = 0,
 ) -> RequestStats:
     """Materialise one request's events into its stats (definitions: module docstring)."""
     ordered = sorted(events, key=lambda e: e.ts)
@@ -145,4 +157,6 @@ def compute_request_stats(
         num_prompt_tokens=num_prompt_tokens,
         num_generation_tokens=sum(e.num_tokens for e in new_tokens),
         finish_reason=None if finished is None else finished.finish_reason,
+        num_draft_tokens=num_draft_tokens,
+        num_accepted_tokens=num_accepted_tokens,
     )

@@ -30,7 +30,8 @@ def serve(args: argparse.Namespace, config: EngineConfig, api_keys: tuple[str, .
     engine = build_engine(config)
     name = args.served_model_name or engine.model_name
     metrics = PrometheusMetrics(name, vllm_names=args.metrics_vllm_names)
-    stat_logger = None if args.disable_log_stats else StatLogger(name, args.log_stats_interval)
+    stat_logger = None if args.disable_log_stats else StatLogger(
+        name, args.log_stats_interval, speculative=config.speculative_ngram > 0)
     step_sinks = [] if args.disable_log_stats else [metrics, stat_logger]
     finished_sinks = [] if args.disable_log_stats else [metrics]
     async_engine = AsyncEngine(engine.core, engine.tokenizer, step_sinks, finished_sinks,

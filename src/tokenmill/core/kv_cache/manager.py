@@ -113,6 +113,16 @@ class KVCacheManager:
             self.pool.cache(table[j], hashes[j], key)
         self._num_cached_blocks[request.req_id] = max(done, num_full)
 
+    def trim(self, request: Request) -> None:
+        """Free the blocks past the one that holds the request's last token: they were
+        allocated for speculative drafts that were rejected. The tail goes first."""
+        table = self._tables.get(request.req_id)
+        keep = -(-request.num_tokens // self.block_size)
+        if table and len(table) > keep:
+            surplus = table[keep:]
+            del table[keep:]
+            self.pool.free(list(reversed(surplus)))
+
     def free(self, request: Request) -> None:
         """Release the request's blocks; the tail is freed first so it is evicted first."""
         table = self._tables.pop(request.req_id, None)
