@@ -1,0 +1,237 @@
+"""Where a serving step's time goes, at one stream and at many.
+
+Runs the real ``tokenmill serve`` in this process (``cli.main``), with timers wrapped
+around the engine's parts, and drives it from a ``tokenmill bench`` subprocess (its own
+cores' worth of Python, as a real client would be): ``--input-len`` prompt tokens,
+exactly ``--output-len`` output tokens, streaming, at each ``--concurrency`` in turn.
+Per level it prints the mean milliseconds per engine step of:
+
+- engine thread: scheduling (``Scheduler.schedule``), input preparation (the runner's
+  tensors and attention plan), forward (matmuls incl. the LM head, attention, the rest:
+  norms, rotary, embedding, residuals), sampling (settings + sampler), update (stop
+  checks, outputs), other (the rest of ``EngineCore.step``), idle (between steps:
+  waiting for work, the inbox, or the GIL);
+- event-loop thread (CPU time): output processing (detokenisation, stop strings,
+  stats) and HTTP/SSE (everything else it does: parsing, JSON, streaming).
+
+The timers cost a few microseconds per call (about 150 calls per step); the figures
+are for comparing parts, not for absolute throughput. Usage::
+
+    python benchmarks/step_breakdown.py [--concurrency 1 64] [--requests-per-stream 1]
+                                        [--out FILE] [-- SERVER OPTIONS]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+from report_file import write_report  # noqa: E402  (sibling module)
+from rich.console import Console
+from rich.table import Table
+
+from tokenmill import cli
+from tokenmill.core.engine_core import EngineCore
+from tokenmill.core.model_runner import ModelRunner
+from tokenmill.core.sampler import Sampler
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.frontend import request_state
+from tokenmill.models import layers, llama
+
+ENGINE_PARTS = ("schedule", "prepare", "matmuls", "attention", "forward_rest", "sampling",
+                "update", "other", "idle")
+LOOP_PARTS = ("output_processing", "http_sse")
+
+
+class Timers:
+    """Seconds per part, summed; ``steps`` counts ``Scheduler.schedule`` calls that ran work."""
+
+    def __init__(self) -> None:
+        self.seconds: collections.Counter[str] = collections.Counter()
+        self.steps = 0
+        self.started = time.perf_counter()
+
+    def wrap(self, owner, name: str, part: str) -> None:
+        original = getattr(owner, name)
+        seconds = self.seconds
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                seconds[part] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.steps = 0
+        self.started = time.perf_counter()
+
+
+def instrument(timers: Timers) -> None:
+    timers.wrap(Scheduler, "schedule", "schedule")
+    timers.wrap(Scheduler, "update_from_output", "update")
+    timers.wrap(EngineCore, "step", "step")
+    timers.wrap(ModelRunner, "_prepare", "prepare")
+    timers.wrap(llama, "plan_attention", "plan")  # inside forward, counted as preparation
+    timers.wrap(ModelRunner, "_sampling_batch", "sampling")
+    timers.wrap(layers.Linear, "forward", "matmuls")
+    timers.wrap(layers.Linear, "forward_add", "matmuls")
+    timers.wrap(llama.LlamaForCausalLM, "compute_logits", "lm_head")
+    timers.wrap(llama, "paged_attention", "attention")
+    timers.wrap(llama.LlamaForCausalLM, "forward", "forward")
+    timers.wrap(request_state.ChoiceState, "process", "output_processing")
+    timers.wrap(Sampler, "__call__", "sampling")
+    schedule = Scheduler.schedule
+
+    def counting_schedule(self, *args, **kwargs):
+        output = schedule(self, *args, **kwargs)
+        if not output.is_empty:
+            timers.steps += 1
+        return output
+
+    Scheduler.schedule = counting_schedule
+
+
+def thread_cpu_seconds(native_id: int) -> float:
+    with open(f"/proc/self/task/{native_id}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def http_thread_id() -> int:
+    for thread in threading.enumerate():
+        if thread.name == "tokenmill-http":
+            return thread.native_id
+    raise RuntimeError("the server's HTTP thread is not running")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_ready(base_url: str) -> None:
+    for _ in range(600):
+        try:
+            if httpx.get(base_url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("the server did not start")
+
+
+def level_breakdown(timers: Timers, wall: float, loop_cpu: float) -> dict:
+    s = timers.seconds
+    steps = max(timers.steps, 1)
+    parts = {
+        "schedule": s["schedule"], "prepare": s["prepare"] + s["plan"],
+        "matmuls": s["matmuls"] + s["lm_head"], "attention": s["attention"],
+        "forward_rest": s["forward"] - s["matmuls"] - s["attention"] - s["plan"],
+        "sampling": s["sampling"], "update": s["update"]}
+    parts["other"] = s["step"] - sum(parts.values())
+    parts.update({
+        "idle": max(wall - s["step"], 0.0),
+        "output_processing": s["output_processing"],
+        "http_sse": max(loop_cpu - s["output_processing"], 0.0),
+    })
+    return {"steps": timers.steps, "wall_s": wall,
+            "ms_per_step": {k: 1000 * v / steps for k, v in parts.items()}}
+
+
+def drive(args: argparse.Namespace, base_url: str, timers: Timers) -> list[dict]:
+    levels = []
+    loop_thread = http_thread_id()
+    for seed, concurrency in enumerate(args.concurrency):
+        with tempfile.NamedTemporaryFile(suffix=".json") as result:
+            command = [sys.executable, "-m", "tokenmill.cli", "bench", "--base-url", base_url,
+                       "--concurrency", str(concurrency),
+                       "--num-requests", str(concurrency * args.requests_per_stream),
+                       "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                       "--ignore-eos", "--seed", str(seed), "--no-progress",
+                       "--result-json", result.name]
+            subprocess.run([*command[:-2], "--num-requests", "1", "--seed", "999"],
+                           check=True, capture_output=True)  # warm-up
+            timers.reset()
+            loop_start = thread_cpu_seconds(loop_thread)
+            subprocess.run(command, check=True, capture_output=True)
+            wall = time.perf_counter() - timers.started
+            loop_cpu = thread_cpu_seconds(loop_thread) - loop_start
+            summary = json.load(open(result.name))["summary"]
+        level = level_breakdown(timers, wall, loop_cpu)
+        level.update(concurrency=concurrency, output_tok_s=summary["output_throughput"])
+        levels.append(level)
+        print(f"  c{concurrency}: {level['output_tok_s']:.1f} tok/s, {level['steps']} steps",
+              flush=True)
+    return levels
+
+
+def print_table(report: dict) -> None:
+    table = Table(title="mean ms per engine step (event-loop parts: CPU ms per step)")
+    table.add_column("part")
+    for level in report["levels"]:
+        table.add_column(f"c{level['concurrency']}", justify="right")
+        table.add_column("share", justify="right")
+    for part in (*ENGINE_PARTS, *LOOP_PARTS):
+        cells = []
+        for level in report["levels"]:
+            ms = level["ms_per_step"]
+            total = sum(ms[p] for p in ENGINE_PARTS)
+            cells += [f"{ms[part]:.2f}", f"{ms[part] / total:.0%}" if part in ENGINE_PARTS
+                      else f"{ms[part] / total:.0%}*"]
+        table.add_row(part, *cells, end_section=part == "idle")
+    table.add_row("output tok/s", *[c for level in report["levels"]
+                                    for c in (f"{level['output_tok_s']:.1f}", "")])
+    Console(width=120).print(table)
+    print("* event-loop CPU time per step, as a share of the engine step's wall time; it "
+          "runs on the same cores")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--requests-per-stream", type=int, default=1)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--out", default="benchmarks/results/step_breakdown.json")
+    args, server_args = parser.parse_known_args()
+    server_args = [a for a in server_args if a != "--"]
+    timers = Timers()
+    instrument(timers)
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    report: dict = {"server_args": server_args, "args": vars(args)}
+
+    def run_load() -> None:
+        try:
+            wait_ready(base_url)
+            report["levels"] = drive(args, base_url, timers)
+        finally:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=run_load, daemon=True).start()
+    cli.main(["--log-level", "warning", "serve", "--port", str(port), "--disable-log-stats",
+              *server_args])
+    if "levels" in report:
+        print_table(report)
+        write_report(report, args.out)
+
+
+if __name__ == "__main__":
+    main()
