@@ -4,8 +4,9 @@ Runs the same streaming load (``--input-len`` prompt tokens, exactly ``--output-
 output tokens with ``ignore_eos``, ``/v1/completions``, concurrency 1, 4, 16 and 64 by
 default) against one or more tokenmill configurations, each started as ``tokenmill
 serve`` in turn, and against every peer URL given with ``--peer NAME=URL`` (a server
-already running: vLLM, llama.cpp's ``llama-server``, ...), one server at a time, each
-level with fresh prompts so nothing comes from a prefix cache.
+already running, or started by the script with ``--peer-start NAME=COMMAND`` and stopped
+after its run: vLLM, llama.cpp's ``llama-server``, ...), one server at a time, each level
+with fresh prompts so nothing comes from a prefix cache.
 
 Prints one table: per server and concurrency, output tok/s, TTFT and ITL p50/p99, the
 ratio of the first tokenmill configuration to each peer, and the fraction of the host's
@@ -14,6 +15,7 @@ roofline reached (``roofline.py``: the measured matmul peak and read bandwidth, 
 Writes everything to JSON. Usage::
 
     python benchmarks/peers.py --peer vllm=http://127.0.0.1:8001 \\
+        [--peer-start vllm='bash PEERS/serve-vllm.sh --dtype float32'] \\
         [--config tokenmill=] [--config int8='--quantization int8'] \\
         [--concurrency 1 4 16 64] [--requests-per-stream 2] [--peer-tokenizer DIR] \\
         [--roofline-dtype float32] [--out FILE]
@@ -27,10 +29,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import os
 import shlex
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
 
+import httpx
 from report_file import write_report  # noqa: E402  (sibling module)
 from rich.console import Console
 from rich.table import Table
@@ -42,6 +51,7 @@ from tokenmill.models.gguf_loader import open_gguf
 from tokenmill.models.loader import default_model_path
 
 BYTES_PER_WEIGHT = {"float32": 4, "bfloat16": 2}
+PEER_START_TIMEOUT_S = 600
 
 
 def named(text: str) -> tuple[str, str]:
@@ -60,6 +70,38 @@ def model_size() -> tuple[int, int]:
     matmuls = cfg.num_hidden_layers * per_layer + cfg.vocab_size * h
     embedding = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
     return matmuls, matmuls + embedding
+
+
+@contextlib.contextmanager
+def peer_running(url: str, command: str | None) -> Iterator[None]:
+    """Start ``command`` (a shell line) in its own process group and wait until ``url``
+    answers ``/v1/models``; stop the whole group afterwards. ``None``: already running."""
+    if command is None:
+        yield
+        return
+    with tempfile.TemporaryFile() as log:
+        peer = subprocess.Popen(command, shell=True, start_new_session=True, stdout=log,
+                                stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + PEER_START_TIMEOUT_S
+            while True:
+                if peer.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    tail = log.read().decode("utf-8", "replace")[-2000:]
+                    raise SystemExit(f"the peer did not start ({command}):\n{tail}")
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(url.rstrip("/") + "/v1/models", timeout=2).status_code == 200:
+                        break
+                time.sleep(1)
+            yield
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(peer.pid, signal.SIGTERM)
+            try:
+                peer.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(peer.pid, signal.SIGKILL)
+                peer.wait()
 
 
 class Levels:
@@ -96,10 +138,13 @@ def measure(args: argparse.Namespace) -> dict:
         with running_server(args.model, shlex.split(options)) as base_url:
             servers.append({"name": name, "kind": "tokenmill", "options": options,
                             "rows": levels.run(base_url, None)})
+    commands = dict(args.peer_start)
     for name, url in args.peer:
         print(f"{name}: {url}", flush=True)
-        servers.append({"name": name, "kind": "peer", "url": url,
-                        "rows": levels.run(url, args.peer_tokenizer)})
+        with peer_running(url, commands.get(name)):
+            servers.append({"name": name, "kind": "peer", "url": url,
+                            "command": commands.get(name),
+                            "rows": levels.run(url, args.peer_tokenizer)})
     reference = {r["concurrency"]: r for r in servers[0]["rows"]}
     for server in servers:
         for r in server["rows"]:
@@ -147,6 +192,9 @@ def main() -> None:
                              "reference of the ratios)")
     parser.add_argument("--peer", type=named, action="append", default=[],
                         help="NAME=URL of a running OpenAI-compatible server (repeatable)")
+    parser.add_argument("--peer-start", type=named, action="append", default=[],
+                        help="NAME=COMMAND that starts peer NAME (stopped after its run); "
+                             "without it the peer must already be running")
     parser.add_argument("--peer-tokenizer", default=None,
                         help="Hugging Face tokenizer folder, for peers without /tokenize")
     parser.add_argument("--model", default=None, help="model for tokenmill (default: embedded)")

@@ -18,6 +18,7 @@ from server_process import free_port
 from tokenmill.config import EngineConfig
 from tokenmill.frontend.async_engine import AsyncEngine
 from tokenmill.frontend.builder import build_engine
+from tokenmill.frontend.engine_loop import start_engine_thread
 from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.server.app import build_app
 from tokenmill.server.serving import ServerOptions
@@ -54,7 +55,8 @@ def _serve(tiny_model: str, fail_at: int, **config):
                                        **config))
     engine.core.executor = FailingExecutor(engine.core.executor, fail_at=fail_at)
     metrics = PrometheusMetrics("tiny")
-    async_engine = AsyncEngine(engine.core, engine.tokenizer, [metrics], [metrics])
+    async_engine = AsyncEngine(start_engine_thread(engine.core), engine.tokenizer, [metrics],
+                               [metrics])
     app = build_app(async_engine, engine.processor, metrics, ServerOptions("tiny"),
                     engine.max_model_len)
     port = free_port()

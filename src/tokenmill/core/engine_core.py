@@ -8,7 +8,7 @@ to another process unchanged.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from tokenmill.config import EngineConfig
@@ -50,6 +50,9 @@ class EngineCore:
         self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, max_model_len)
         self._pending: list[EngineCoreOutput] = []  # outputs of aborts, sent with the next step
+        # called in each step once the scheduler has moved requests (before the forward
+        # pass), so a caller can publish the waiting queue while the step computes
+        self.on_scheduled: Callable[[], None] | None = None
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         if core_request.req_id in self.scheduler.requests:
@@ -68,6 +71,8 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
+        if self.on_scheduled is not None:
+            self.on_scheduled()
         if scheduler_output.is_empty:
             runner_output = ModelRunnerOutput(sampled={})
         else:

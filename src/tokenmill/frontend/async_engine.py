@@ -1,42 +1,39 @@
-"""The server's engine client: the engine core runs its step loop on one thread, the
-server's event loop on another; each API request gets its own asyncio stream of
-``ChoiceDelta``s.
+"""The server's engine client: the engine core runs its step loop at the far end of a pipe
+(``engine_loop``: its own process in the server), the server's event loop on this side;
+each API request gets its own asyncio stream of ``ChoiceDelta``s.
 
-    event loop thread                         engine thread (``run``)
-    -----------------                         -----------------------
-    add_request() --(inbox: add/abort)------> drain inbox, core.step()
-    RequestStream  <--call_soon_threadsafe--- EngineCoreOutputs
+    event loop thread                  receiver (``run``)           engine loop
+    -----------------                  ------------------           -----------
+    add_request()/abort --pipe: EngineCoreRequest / Abort ---------> core.step()
+    RequestStream <--call_soon_threadsafe-- conn.recv() <-- StepResult
       (detokenise, stop strings, stats)
 
 Detokenisation, stop strings and stats maths run on the event loop, off the step
-loop. An abort reaches the core before its next step. When the core goes idle it
-publishes its stats once more, so gauges read zero as soon as the last request ends.
-
-NOTE: run the step loop on the thread that loaded the model. PyTorch's OpenMP keeps one
-worker pool per calling thread; a second pool oversubscribes the cores, OpenMP then
-stops spin-waiting between kernels, and a decode step gets about 1.5x slower.
+loop. An abort reaches the core before its next step. Admission control counts the
+waiting queue as the core last reported it (``QueueState``, sent by each step once it
+has scheduled) plus what was sent since and not yet taken by the core.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
-from tokenmill.core.engine_core import EngineCore, StepFailed
 from tokenmill.core.request import EngineCoreRequest
-from tokenmill.core.types import EngineCoreOutput, EngineCoreOutputs
+from tokenmill.core.types import EngineCoreOutput
+from tokenmill.frontend.engine_loop import Abort, QueueState, StepResult
 from tokenmill.frontend.outputs import ChoiceDelta
 from tokenmill.frontend.request_state import ChoiceState
-from tokenmill.metrics.records import FinishReason, RequestEvent, RequestEventType
+from tokenmill.metrics.records import (
+    FinishReason,
+    RequestEvent,
+    RequestEventType,
+)
 from tokenmill.metrics.stats import RequestStats
 from tokenmill.tokenizer.tokenizer import Tokenizer
-
-logger = logging.getLogger("tokenmill")
 
 
 class AdmissionRejected(Exception):
@@ -45,12 +42,6 @@ class AdmissionRejected(Exception):
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
         self.reason = reason
-
-
-@dataclass(slots=True)
-class _Abort:
-    req_ids: list[str]
-    reason: FinishReason
 
 
 class RequestStream:
@@ -120,37 +111,44 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, tokenizer: Tokenizer, step_sinks=(), finished_sinks=(),
+    """The server side of the engine pipe ``conn`` (see the module docstring)."""
+
+    def __init__(self, conn: Connection, tokenizer: Tokenizer, step_sinks=(), finished_sinks=(),
                  max_num_queued_requests: int | None = None,
                  max_num_queued_tokens: int | None = None) -> None:
-        self.core = core
+        self.conn = conn
         self.tokenizer = tokenizer
         self.step_sinks = list(step_sinks)  # record_step(SchedulerStats, IterationStats | None)
         self.finished_sinks = list(finished_sinks)  # record_finished(RequestStats)
         self.max_num_queued_requests = max_num_queued_requests
         self.max_num_queued_tokens = max_num_queued_tokens
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wakeup = threading.Event()
+        self._send_lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}  # by choice (engine request) id
         self._open_streams: set[RequestStream] = set()  # responses not yet closed
         self.consecutive_failures = 0  # failed steps since the last good one
-        self._pending_requests = 0  # added but not yet taken by the engine thread
+        self._queue = QueueState(0, 0, 0, 0)  # the core's last word on its waiting queue
+        self._pending_requests = 0  # sent but not yet taken by the core
         self._pending_tokens = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._attached = threading.Event()
-        self._stopping = False
 
     # --------------------------------------------------------------- lifecycle
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Deliver outputs to ``loop`` (the server's event loop); ``run`` starts stepping."""
+        """Deliver outputs to ``loop`` (the server's event loop); ``run`` starts reading."""
         self._loop = loop
         self._attached.set()
 
     def shutdown(self) -> None:
-        """Make ``run`` return after the current step."""
-        self._stopping = True
+        """Stop the engine loop; ``run`` returns once it has closed its end of the pipe."""
         self._attached.set()
-        self._wakeup.set()
+        self._send(None)
+
+    def _send(self, item: EngineCoreRequest | Abort | None) -> None:
+        with self._send_lock:
+            try:
+                self.conn.send(item)
+            except (BrokenPipeError, OSError):
+                pass  # the engine loop is gone; ``run`` has seen or will see it end
 
     # ---------------------------------------------------------------- requests
     def add_request(self, core_requests: list[EngineCoreRequest],
@@ -171,24 +169,22 @@ class AsyncEngine:
                                r.sampling_params, frontend_events)
                    for i, r in enumerate(core_requests)]
         stream = RequestStream(self, choices)
-        for r in core_requests:
-            self._streams[r.req_id] = stream
-            self._inbox.put(r)
         self._pending_requests += len(core_requests)
         self._pending_tokens += sum(len(r.prompt_token_ids) for r in core_requests)
-        self._wakeup.set()
+        for r in core_requests:
+            self._streams[r.req_id] = stream
+            self._send(r)
         return stream
 
     def _admit(self, core_requests: list[EngineCoreRequest]) -> None:
-        sched = self.core.scheduler  # NOTE: plain int reads of the engine thread's sums
+        waiting, waiting_tokens = self._queue.num_waiting, self._queue.num_tokens_waiting_raw
         cap = self.max_num_queued_requests
-        waiting = sched.num_waiting + self._pending_requests
-        if cap is not None and waiting + len(core_requests) > cap:
+        if cap is not None and waiting + self._pending_requests + len(core_requests) > cap:
             raise AdmissionRejected(f"the server's queue is full ({cap} waiting requests)",
                                     "max_num_queued_requests")
         cap = self.max_num_queued_tokens
         tokens = sum(len(r.prompt_token_ids) for r in core_requests)
-        if cap is not None and sched.num_tokens_waiting_raw + self._pending_tokens + tokens > cap:
+        if cap is not None and waiting_tokens + self._pending_tokens + tokens > cap:
             raise AdmissionRejected(f"the server's queue is full ({cap} waiting tokens)",
                                     "max_num_queued_tokens")
 
@@ -204,65 +200,35 @@ class AsyncEngine:
 
     def abort_choices(self, req_ids: list[str], reason: FinishReason) -> None:
         if req_ids:
-            self._inbox.put(_Abort(req_ids, reason))
-            self._wakeup.set()
+            self._send(Abort(req_ids, reason))
 
     def on_choice_finished(self, stats: RequestStats | None) -> None:
         if stats is not None:
             for sink in self.finished_sinks:
                 sink.record_finished(stats)
 
-    # ----------------------------------------------------------- engine thread
+    # --------------------------------------------------------------- receiver
     def run(self) -> None:
-        """The step loop: blocks until ``shutdown``; steps once ``attach`` gave it a loop."""
+        """Hand every ``StepResult`` to the event loop until the engine loop ends; blocks.
+        Starts reading once ``attach`` gave it a loop."""
         self._attached.wait()
-        idle_published = True
-        while not self._stopping:
-            try:
-                self._drain_inbox()
-                if not self.core.has_work():
-                    if not idle_published:
-                        self._publish(self.core.step())
-                        self.core.check_integrity()
-                        idle_published = True
-                    self._wakeup.wait(timeout=1.0)
-                    self._wakeup.clear()
-                    continue
-                idle_published = False
-                self._publish(self.core.step())
-                self.consecutive_failures = 0
-            except StepFailed as failed:
-                self.consecutive_failures += 1
-                logger.error("engine step failed; its %d request(s) end with an error",
-                             len(failed.outputs.outputs), exc_info=failed.__cause__)
-                self._publish(failed.outputs, f"engine error: {failed}")
-            except Exception as error:  # noqa: BLE001 - the loop must survive to report it
-                self.consecutive_failures += 1
-                logger.exception("engine step failed")
-                self._fail_all(error)
-
-    def _drain_inbox(self) -> None:
         while True:
             try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
+                result = self.conn.recv()
+            except (EOFError, OSError):
                 return
-            if isinstance(item, _Abort):
-                self.core.abort_requests(item.req_ids, item.reason)
-            else:
-                self.core.add_request(item)
-                self._loop.call_soon_threadsafe(self._taken, len(item.prompt_token_ids))
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._dispatch, result)
 
-    def _taken(self, num_tokens: int) -> None:
-        self._pending_requests -= 1
-        self._pending_tokens -= num_tokens
-
-    def _publish(self, outputs: EngineCoreOutputs, error: str | None = None) -> None:
-        """Hand ``outputs`` to the event loop; ``error`` says why those that ended with
-        finish reason ``error`` did (``RequestStream.error``)."""
-        self._loop.call_soon_threadsafe(self._dispatch, outputs, error)
-
-    def _dispatch(self, outputs: EngineCoreOutputs, error: str | None) -> None:
+    def _dispatch(self, result: StepResult | QueueState) -> None:
+        if isinstance(result, QueueState):
+            self._queue = result
+            self._pending_requests -= result.taken_requests
+            self._pending_tokens -= result.taken_tokens
+            return
+        if result.failed is not None:
+            self.consecutive_failures = self.consecutive_failures + 1 if result.failed else 0
+        outputs = result.outputs
         for sink in self.step_sinks:
             sink.record_step(outputs.scheduler_stats, outputs.iteration_stats)
         for out in outputs.outputs:
@@ -272,12 +238,5 @@ class AsyncEngine:
             if out.finished:
                 del self._streams[out.req_id]
                 if out.finish_reason is FinishReason.ERROR:
-                    stream.error = error
+                    stream.error = result.error
             stream._on_output(out)
-
-    def _fail_all(self, error: Exception) -> None:
-        """A step that failed outside the model (the core's state is in doubt) ends every
-        request in flight with finish reason ``error``; the engine goes on serving new
-        requests."""
-        self.core.abort_requests(list(self.core.scheduler.requests), FinishReason.ERROR)
-        self._publish(self.core.step(), f"engine error: {error}")

@@ -1,14 +1,18 @@
-"""``tokenmill serve``: build the engine, then serve until SIGINT/SIGTERM.
+"""``tokenmill serve``: start the engine process, then serve until SIGINT/SIGTERM.
 
-The engine steps on the main thread, which loaded the model; uvicorn runs its event loop
-on a second thread. A first signal drains the server (``ServerLifecycle.drain``: new
-requests get 503, those in flight get up to ``--shutdown-timeout`` seconds, then are
-aborted with their usage) and then stops it; a second one stops at once.
+The engine builds the model and steps in its own process (``engine_loop``), which
+ignores both signals and ends when told to or when this process goes. In this one,
+uvicorn runs its event loop on a second thread and the main thread hands the engine's
+results to it (``AsyncEngine.run``); the server stops when the engine loop ends. A first
+signal drains the server (``ServerLifecycle.drain``: new requests get 503, those in
+flight get up to ``--shutdown-timeout`` seconds, then are aborted with their usage) and
+then stops it; a second one stops at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import threading
 
@@ -16,29 +20,33 @@ import uvicorn
 
 from tokenmill.config import EngineConfig
 from tokenmill.frontend.async_engine import AsyncEngine
-from tokenmill.frontend.builder import build_engine
+from tokenmill.frontend.engine_loop import start_engine_process
+from tokenmill.frontend.processor import InputProcessor
 from tokenmill.metrics.log import StatLogger
 from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.server.app import build_app
 from tokenmill.server.lifecycle import ServerLifecycle
 from tokenmill.server.limits import RequestLimits
 from tokenmill.server.serving import ServerOptions
+from tokenmill.tokenizer.tokenizer import load_tokenizer
 
 
 def serve(args: argparse.Namespace, config: EngineConfig, api_keys: tuple[str, ...],
           limits: RequestLimits) -> int:
-    engine = build_engine(config)
-    name = args.served_model_name or engine.model_name
+    conn, info, engine_process = start_engine_process(config, logging.getLogger().level)
+    tokenizer = load_tokenizer(config.model)
+    processor = InputProcessor(tokenizer, info.max_model_len, info.vocab_size)
+    name = args.served_model_name or info.model_name
     metrics = PrometheusMetrics(name, vllm_names=args.metrics_vllm_names)
     stat_logger = None if args.disable_log_stats else StatLogger(
         name, args.log_stats_interval, speculative=config.speculative_ngram > 0)
     step_sinks = [] if args.disable_log_stats else [metrics, stat_logger]
     finished_sinks = [] if args.disable_log_stats else [metrics]
-    async_engine = AsyncEngine(engine.core, engine.tokenizer, step_sinks, finished_sinks,
+    async_engine = AsyncEngine(conn, tokenizer, step_sinks, finished_sinks,
                                config.max_num_queued_requests, config.max_num_queued_tokens)
     options = ServerOptions(name, args.default_continuous_usage_stats, api_keys, limits)
     lifecycle = ServerLifecycle(async_engine, args.shutdown_timeout)
-    app = build_app(async_engine, engine.processor, metrics, options, engine.max_model_len,
+    app = build_app(async_engine, processor, metrics, options, info.max_model_len,
                     stat_logger, lifecycle)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level,
@@ -59,8 +67,10 @@ def serve(args: argparse.Namespace, config: EngineConfig, api_keys: tuple[str, .
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     http_thread.start()
-    async_engine.run()  # on this thread, which loaded the model (see AsyncEngine)
+    async_engine.run()  # until the engine loop ends (shut down, or the process died)
+    exit_server()
     http_thread.join()
+    engine_process.join(timeout=30)
     return 0 if server.started else 1
 
 

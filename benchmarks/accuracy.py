@@ -1,0 +1,97 @@
+"""What a dtype or ``--quantization`` costs in accuracy, against float32 on the same weights.
+
+For each configuration (``float32``, the reference; ``bfloat16``; ``int8`` weights with
+bfloat16 activations) it measures, on the embedded model unless ``--model``:
+
+- perplexity on a fixed public-domain text (``tests/data/public_domain.txt``), one
+  prefill through the engine's own forward pass, and its change against float32;
+- greedy agreement on a fixed prompt set (chat-templated questions, ``--max-tokens``
+  greedy tokens each, through ``LLM.generate``): how many outputs equal float32's token
+  for token, and the mean fraction of tokens before the first difference.
+
+Prints one table and writes JSON. Usage::
+
+    python benchmarks/accuracy.py [--model PATH] [--max-tokens 48] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+
+from report_file import write_report  # noqa: E402  (sibling module)
+from rich.console import Console
+from rich.table import Table
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.models.perplexity import perplexity
+
+TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests",
+                    "data", "public_domain.txt")
+CONFIGS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
+           "int8": {"dtype": "bfloat16", "quantization": "int8"}}
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.",
+    "List three uses of a paperclip.", "Explain photosynthesis in one sentence.",
+    "What is 17 times 3?", "Name the planets of the solar system.",
+    "Write a Python function that reverses a string.", "Who wrote Romeo and Juliet?",
+    "Give me a recipe for pancakes.", "Translate 'good morning' into Spanish.",
+    "What causes the seasons on Earth?", "Summarize the plot of Cinderella.",
+]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def measure_config(model: str | None, options: dict, max_tokens: int) -> dict:
+    llm = LLM(model=model, max_num_seqs=len(QUESTIONS), **options)
+    with open(TEXT, encoding="utf-8") as f:
+        text_ids = llm.tokenizer.encode(f.read())
+    model_module = llm.engine.core.executor.model
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}])
+               for q in QUESTIONS]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    result = {"perplexity": perplexity(model_module, text_ids), "text_tokens": len(text_ids),
+              "outputs": [list(o.outputs[0].token_ids) for o in outputs]}
+    del llm
+    gc.collect()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--out", default="benchmarks/results/accuracy.json")
+    args = parser.parse_args()
+    results = {name: measure_config(args.model, options, args.max_tokens)
+               for name, options in CONFIGS.items()}
+    reference = results["float32"]
+    for r in results.values():
+        r["perplexity_change"] = r["perplexity"] / reference["perplexity"] - 1
+        pairs = list(zip(r["outputs"], reference["outputs"], strict=True))
+        r["identical_outputs"] = sum(a == b for a, b in pairs)
+        r["mean_common_prefix"] = sum(common_prefix(a, b) / max(len(b), 1)
+                                      for a, b in pairs) / len(pairs)
+    table = Table(title=f"accuracy against float32: {len(QUESTIONS)} prompts x "
+                        f"{args.max_tokens} greedy tokens; perplexity on "
+                        f"{reference['text_tokens']} tokens of fixed text")
+    for column in ("config", "perplexity", "change", "identical outputs", "common prefix"):
+        table.add_column(column, justify="right")
+    for name, r in results.items():
+        table.add_row(name, f"{r['perplexity']:.3f}", f"{r['perplexity_change']:+.2%}",
+                      f"{r['identical_outputs']}/{len(QUESTIONS)}",
+                      f"{r['mean_common_prefix']:.0%}")
+    Console(width=110).print(table)
+    write_report({"args": vars(args), "configs": CONFIGS, "results": results}, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""The engine core's step loop, on the far end of a pipe: in its own process (the server) or
+on a thread (tests that drive a core they built).
+
+    server process (event loop)                      engine process
+    ---------------------------                      --------------
+    AsyncEngine --EngineCoreRequest / Abort / None-->  reader thread -> inbox
+                <----------- StepResult -----------   run_engine_loop: drain inbox,
+                                                      core.step(), publish
+
+Why a process: the step loop runs Python between its kernels, and the server's event
+loop (HTTP, JSON, SSE, detokenisation) is Python too. Sharing one interpreter, each waits
+for the other's GIL; when the cores are shared with other programs, every such wait also
+puts the compute threads to sleep, and waking them costs a scheduler time slice. In its
+own process the step loop never waits for the server's Python.
+
+Invariants: ``None`` on the pipe stops the loop, which then closes its end (the reader
+of results sees ``EOFError``). Each step sends a ``QueueState`` as soon as it has
+scheduled, then its ``StepResult``. A ``QueueState`` says how many requests (and prompt
+tokens) the core took from the inbox since the previous one and what waits now, so the
+sender's admission control counts the queue as the core sees it, one message behind at
+most, even during a long step. When the core goes idle the loop publishes one more
+result, so gauges read zero as soon as the last request ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import queue
+import signal
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.engine_core import EngineCore, StepFailed
+from tokenmill.core.types import EngineCoreOutputs
+from tokenmill.metrics.records import FinishReason
+
+logger = logging.getLogger("tokenmill")
+
+STARTUP_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    req_ids: list[str]
+    reason: FinishReason
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    outputs: EngineCoreOutputs
+    error: str | None  # why the requests that ended with finish reason "error" did
+    failed: bool | None  # the step failed; None: no step ran (the idle publication)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueState:
+    """The waiting queue once a step has scheduled (sent before its forward pass)."""
+
+    taken_requests: int  # requests the core took from the inbox since the last QueueState
+    taken_tokens: int  # their prompt tokens
+    num_waiting: int
+    num_tokens_waiting_raw: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the server needs to know about the engine it did not build itself."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int  # token ids the processor accepts: min(model's, tokenizer's)
+
+
+class _Inbox:
+    """Messages from the pipe, read on their own thread so a sender never waits for a step."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.items: queue.SimpleQueue = queue.SimpleQueue()
+        self.wakeup = threading.Event()
+        threading.Thread(target=self._read, args=(conn,), name="tokenmill-inbox",
+                         daemon=True).start()
+
+    def _read(self, conn: Connection) -> None:
+        while True:
+            try:
+                item = conn.recv()
+            except (EOFError, OSError):
+                item = None  # the sender is gone: stop
+            self.items.put(item)
+            self.wakeup.set()
+            if item is None:
+                return
+
+
+def run_engine_loop(core: EngineCore, conn: Connection) -> None:
+    """Step ``core`` for the requests arriving on ``conn`` until ``None`` arrives; publish
+    a ``StepResult`` per step. A failed step fails only its requests (``StepFailed``); any
+    other exception leaves the core's state in doubt, so every request in flight ends
+    with an error. Either way the loop goes on."""
+    inbox = _Inbox(conn)
+    taken_requests = taken_tokens = 0
+    idle_published = True
+
+    def publish(outputs: EngineCoreOutputs, error: str | None = None,
+                idle: bool = False) -> None:
+        conn.send(StepResult(outputs, error, None if idle else error is not None))
+
+    def publish_queue() -> None:
+        nonlocal taken_requests, taken_tokens
+        sched = core.scheduler
+        conn.send(QueueState(taken_requests, taken_tokens, sched.num_waiting,
+                             sched.num_tokens_waiting_raw))
+        taken_requests = taken_tokens = 0
+
+    core.on_scheduled = publish_queue
+
+    try:
+        while True:
+            while not inbox.items.empty():
+                item = inbox.items.get_nowait()
+                if item is None:
+                    return
+                if isinstance(item, Abort):
+                    core.abort_requests(item.req_ids, item.reason)
+                else:
+                    core.add_request(item)
+                    taken_requests += 1
+                    taken_tokens += len(item.prompt_token_ids)
+            try:
+                if not core.has_work():
+                    if not idle_published:
+                        publish(core.step(), idle=True)
+                        core.check_integrity()
+                        idle_published = True
+                    inbox.wakeup.wait(timeout=1.0)
+                    inbox.wakeup.clear()
+                    continue
+                idle_published = False
+                publish(core.step())
+            except StepFailed as failed:
+                logger.error("engine step failed; its %d request(s) end with an error",
+                             len(failed.outputs.outputs), exc_info=failed.__cause__)
+                publish(failed.outputs, f"engine error: {failed}")
+            except Exception as error:  # noqa: BLE001 - the loop must survive to report it
+                logger.exception("engine step failed")
+                core.abort_requests(list(core.scheduler.requests), FinishReason.ERROR)
+                publish(core.step(), f"engine error: {error}")
+    finally:
+        conn.close()
+
+
+def start_engine_thread(core: EngineCore) -> Connection:
+    """Run ``core``'s loop on a daemon thread of this process; returns the server's end."""
+    server_end, engine_end = multiprocessing.Pipe()
+    threading.Thread(target=run_engine_loop, args=(core, engine_end), name="tokenmill-engine",
+                     daemon=True).start()
+    return server_end
+
+
+def start_engine_process(config: EngineConfig, log_level: int = logging.INFO
+                         ) -> tuple[Connection, EngineInfo, multiprocessing.Process]:
+    """Build the engine in a new process (logging at ``log_level``) and start its loop there.
+
+    Returns the server's end of the pipe, the engine's ``EngineInfo`` and the process.
+    Raises ``ValueError`` with the engine's own message when it cannot be built (a bad
+    option, a model that does not load), as building it here would.
+    """
+    context = multiprocessing.get_context("spawn")  # no copy of this process's threads
+    server_end, engine_end = context.Pipe()
+    process = context.Process(target=_engine_process_main, args=(config, engine_end, log_level),
+                              name="tokenmill-engine", daemon=True)
+    process.start()
+    engine_end.close()
+    if not server_end.poll(STARTUP_TIMEOUT_S):
+        process.kill()
+        raise RuntimeError(f"the engine did not start in {STARTUP_TIMEOUT_S:.0f} s")
+    try:
+        ready = server_end.recv()
+    except EOFError:
+        process.join()
+        raise RuntimeError(f"the engine process exited with status {process.exitcode}") from None
+    if isinstance(ready, BaseException):
+        process.join()
+        raise ready
+    return server_end, ready, process
+
+
+def _engine_process_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
+    from tokenmill.frontend.builder import build_engine
+
+    # The server coordinates shutdown; a terminal's Ctrl-C reaches the whole group.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s")
+    try:
+        engine = build_engine(config)
+    except ValueError as error:  # bad options or model: the server reports it and exits
+        conn.send(ValueError(str(error)))
+        conn.close()
+        return
+    conn.send(EngineInfo(engine.model_name, engine.max_model_len, engine.processor.vocab_size))
+    run_engine_loop(engine.core, conn)

@@ -1,0 +1,78 @@
+"""``tokenmill serve`` runs the engine in a child process of its own, which serves through
+the server and never outlives it, however the server ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+from server_process import ServerProcess
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            if ppid == pid:
+                found.append(int(entry))
+    return found
+
+
+def engine_process(server_pid: int) -> int:
+    """The server's child that runs the engine (multiprocessing also starts a tracker)."""
+    engines = []
+    for pid in children(server_pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                engines.append(pid)
+    assert len(engines) == 1, f"expected one engine process, found {engines}"
+    return engines[0]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_engine_runs_in_its_own_process_and_ends_with_the_server(tiny_model):
+    server = ServerProcess(tiny_model, "--max-model-len", "256")
+    try:
+        engine = engine_process(server.process.pid)
+        r = httpx.post(server.base_url + "/v1/completions", timeout=30, json={
+            "prompt": "hello", "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        os.kill(engine, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
+        os.kill(engine, signal.SIGTERM)
+        time.sleep(0.5)
+        assert alive(engine), "the engine must leave shutdown to the server"
+    finally:
+        server.stop()
+    assert wait_gone(engine, 30), "the engine outlived a stopped server"
+
+
+def test_engine_ends_when_the_server_is_killed(tiny_model):
+    server = ServerProcess(tiny_model, "--max-model-len", "256")
+    engine = engine_process(server.process.pid)
+    server.process.kill()  # no clean-up at all: the engine sees its pipe close
+    server.process.wait()
+    server.stop()
+    assert wait_gone(engine, 30), "the engine outlived a killed server"
