@@ -31,6 +31,7 @@ from tokenmill.core.engine_core import EngineCore
 from tokenmill.core.request import EngineCoreRequest
 from tokenmill.core.types import EngineCoreOutput, EngineCoreOutputs
 from tokenmill.frontend.outputs import ChoiceDelta
+from tokenmill.frontend.request_log import RequestLog
 from tokenmill.frontend.request_state import ChoiceState
 from tokenmill.metrics.records import FinishReason, RequestEvent, RequestEventType
 from tokenmill.metrics.stats import RequestStats
@@ -84,7 +85,7 @@ class RequestStream:
 
     def _finish(self, delta: ChoiceDelta) -> None:
         self._num_unfinished -= 1
-        self.engine.on_choice_finished(delta.stats)
+        self.engine.on_choice_finished(self._by_index[delta.index], delta.stats)
 
     async def __aiter__(self) -> AsyncIterator[ChoiceDelta]:
         try:
@@ -120,13 +121,15 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, core: EngineCore, tokenizer: Tokenizer, step_sinks=(), finished_sinks=(),
                  max_num_queued_requests: int | None = None,
-                 max_num_queued_tokens: int | None = None) -> None:
+                 max_num_queued_tokens: int | None = None,
+                 request_log: RequestLog | None = None) -> None:
         self.core = core
         self.tokenizer = tokenizer
         self.step_sinks = list(step_sinks)  # record_step(SchedulerStats, IterationStats | None)
         self.finished_sinks = list(finished_sinks)  # record_finished(RequestStats)
         self.max_num_queued_requests = max_num_queued_requests
         self.max_num_queued_tokens = max_num_queued_tokens
+        self.request_log = request_log  # recent requests' lifecycles, for the dashboard
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # by choice (engine request) id
@@ -149,12 +152,13 @@ class AsyncEngine:
         self._wakeup.set()
 
     # ---------------------------------------------------------------- requests
-    def add_request(self, core_requests: list[EngineCoreRequest],
-                    arrival_ts: float) -> RequestStream:
+    def add_request(self, core_requests: list[EngineCoreRequest], arrival_ts: float,
+                    request_id: str = "") -> RequestStream:
         """Admit an API request and open its stream.
 
         ``core_requests`` holds one engine request per choice, for every prompt, in the
-        order of the API's choice indices.
+        order of the API's choice indices. ``request_id`` names the API request in the
+        request log.
         """
         self._admit(core_requests)
         for r in core_requests:
@@ -167,6 +171,9 @@ class AsyncEngine:
                                r.sampling_params, frontend_events)
                    for i, r in enumerate(core_requests)]
         stream = RequestStream(self, choices)
+        if self.request_log is not None:
+            self.request_log.started(request_id, choices,
+                                     [r.prompt_token_ids for r in core_requests])
         for r in core_requests:
             self._streams[r.req_id] = stream
             self._inbox.put(r)
@@ -193,10 +200,12 @@ class AsyncEngine:
             self._inbox.put(_Abort(req_ids, reason))
             self._wakeup.set()
 
-    def on_choice_finished(self, stats: RequestStats | None) -> None:
+    def on_choice_finished(self, choice: ChoiceState, stats: RequestStats | None) -> None:
         if stats is not None:
             for sink in self.finished_sinks:
                 sink.record_finished(stats)
+            if self.request_log is not None:
+                self.request_log.finished(choice, stats)
 
     # ----------------------------------------------------------- engine thread
     def run(self) -> None:

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from tokenmill import __version__
 from tokenmill.frontend.async_engine import AsyncEngine
 from tokenmill.frontend.processor import InputProcessor
+from tokenmill.metrics.history import EngineHistory
 from tokenmill.metrics.log import StatLogger
 from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.server.errors import APIError, error_response, install_error_handlers
@@ -23,13 +24,16 @@ from tokenmill.server.protocol import (
     TokenizeRequest,
 )
 from tokenmill.server.serving import OpenAIServing, ServerOptions, new_request_id
+from tokenmill.server.ui import install_ui
 
 logger = logging.getLogger("tokenmill")
 
 
 def build_app(engine: AsyncEngine, processor: InputProcessor, metrics: PrometheusMetrics,
               options: ServerOptions, max_model_len: int,
-              stat_logger: StatLogger | None = None) -> FastAPI:
+              stat_logger: StatLogger | None = None,
+              history: EngineHistory | None = None) -> FastAPI:
+    """``history`` (and the engine's request log) feed the dashboard; None: stats are off."""
     serving = OpenAIServing(engine, processor, metrics, options)
 
     @contextlib.asynccontextmanager
@@ -103,12 +107,14 @@ def build_app(engine: AsyncEngine, processor: InputProcessor, metrics: Prometheu
         payload, content_type = metrics.render()
         return Response(payload, media_type=content_type)
 
+    install_ui(app, options.served_model_name, engine.core.scheduler, history,
+               engine.request_log)
+
     @app.exception_handler(ValueError)
     async def _bad_value(_: Request, exc: ValueError) -> JSONResponse:
         return error_response(400, str(exc))
 
     return app
-
 
 
 async def _log_periodically(stat_logger: StatLogger) -> None:
