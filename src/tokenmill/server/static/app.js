@@ -73,6 +73,9 @@
     if (location.hash !== "#" + name) history.replaceState(null, "", "#" + name);
     schedulePoll(0);
   }
+  window.addEventListener("hashchange", () => {
+    showView(location.hash === "#dashboard" ? "dashboard" : "chat");
+  });
   for (const tab of document.querySelectorAll(".tab")) {
     tab.addEventListener("click", () => showView(tab.dataset.view));
   }
@@ -339,8 +342,7 @@
     max = max > 0 ? niceCeil(max) : 1;
     const x = (t) => L + ((t - t0) / (t1 - t0)) * (W - L - R);
     const y = (v) => H - B - (v / max) * (H - B - T);
-    for (const frac of [0, 0.5, 1]) {
-      const v = max * frac;
+    for (const v of [0, max]) {
       svg("line", { x1: L, x2: W - R, y1: y(v), y2: y(v), class: "grid" }, el);
       svg("text", { x: L - 4, y: y(v) + 4, class: "tick", "text-anchor": "end" }, el).textContent = fmt(v);
     }
