@@ -306,8 +306,10 @@
     $("card-finished").textContent = fmtInt(fin.stop + fin.length);
     $("card-finished-sub").textContent = `${fin.abort} aborted · ${fin.error} failed`;
 
-    const t0 = state.time - dash.window;
+    // the last window_s seconds, or since the first sample when the server is younger
     const t1 = state.time;
+    const first = dash.samples.length ? dash.samples[0][0] : t1;
+    const t0 = Math.min(t1 - 30, Math.max(t1 - dash.window, first));
     const series = (name, scale) => dash.samples.map((r) => [r[0], r[col(name)] * (scale || 1)]);
     drawChart($("chart-requests"), t0, t1, [
       { points: series("running"), cls: "l-running" },
@@ -334,7 +336,7 @@
 
   // A line chart over [t0, t1] seconds; `marks` (optional) draws [t, count] ticks.
   function drawChart(el, t0, t1, lines, fmt, marks, fixedMax) {
-    const W = 400, H = 140, L = 44, B = 18, T = 8, R = 8;
+    const W = 400, H = 120, L = 44, B = 18, T = 8, R = 8;
     el.setAttribute("viewBox", `0 0 ${W} ${H}`);
     el.replaceChildren();
     let max = fixedMax || 0;
