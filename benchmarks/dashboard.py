@@ -13,14 +13,16 @@ streaming clients (``tokenmill bench``: ``--input-len``-token prompts, exactly
   rendering competes with the server for the CPU too: an upper bound. Skipped, with a
   note, when no browser is installed.
 
-The viewers take turns ``--rounds`` times, each measurement with a fresh prompt seed;
-each viewer keeps its best round (the machine is shared; the best round is the least
-disturbed). Ratio = output tok/s with the viewer / with none; the target is >= 0.97.
-Prints a table and writes JSON. Usage::
+The viewers take turns ``--rounds`` times (their order rotating from round to round),
+each measurement short and with a fresh prompt seed. A shared machine's load drifts
+over minutes, so each round compares neighbours: the round's ratio is output tok/s with
+the viewer / with none in that round, and the result is the median of those ratios
+(the best round of each viewer is shown too). The target is >= 0.97. Prints a table and
+writes JSON. Usage::
 
     python benchmarks/dashboard.py [--model PATH] [--streams 16] [--input-len 64]
-                                   [--output-len 64] [--requests-per-stream 2]
-                                   [--rounds 3] [--out FILE] [-- SERVER OPTIONS]
+                                   [--output-len 64] [--requests-per-stream 1]
+                                   [--rounds 6] [--out FILE] [-- SERVER OPTIONS]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import statistics
 import sys
 import threading
 import time
@@ -104,8 +107,9 @@ def measure(args: argparse.Namespace, server_args: list[str]) -> dict:
     rounds: dict[str, list[dict]] = {v: [] for v in viewers}
     try:
         with running_server(args.model, server_args) as base_url:
-            for _ in range(args.rounds):
-                for viewer in viewers:
+            for round_index in range(args.rounds):
+                shift = round_index % len(viewers)
+                for viewer in viewers[shift:] + viewers[:shift]:
                     if viewer == "none":
                         watching = contextlib.nullcontext({})
                     elif viewer == "poll":
@@ -127,26 +131,31 @@ def measure(args: argparse.Namespace, server_args: list[str]) -> dict:
     finally:
         browser.close()
     best = {v: max(rs, key=lambda r: r["output_tok_s"]) for v, rs in rounds.items()}
-    base = best["none"]["output_tok_s"]
+    paired = {v: sorted(r["output_tok_s"] / n["output_tok_s"]
+                        for r, n in zip(rs, rounds["none"], strict=True))
+              for v, rs in rounds.items()}
     return {
         "model": args.model or "embedded SmolLM2-135M-Instruct", "server_args": server_args,
         "cpu_count": os.cpu_count(), "args": vars(args), "target": TARGET,
         "browser": "headless Chromium" if browser.driver else "not installed: not measured",
-        "viewers": {v: {"best": best[v], "ratio_output_tok_s": best[v]["output_tok_s"] / base,
+        "viewers": {v: {"best": best[v], "round_ratios": paired[v],
+                        "ratio_output_tok_s": statistics.median(paired[v]),
                         "rounds": rounds[v]} for v in viewers},
     }
 
 
 def print_table(report: dict) -> None:
     table = Table(title=f"Dashboard cost: {report['args']['streams']} streams, "
-                        f"best of {report['args']['rounds']} rounds")
-    for column in ("viewer", "output tok/s", "ratio vs none", "target", "dashboard req/s"):
+                        f"{report['args']['rounds']} rounds")
+    for column in ("viewer", "best output tok/s", "median ratio vs none", "round ratios",
+                   "target", "dashboard req/s"):
         table.add_column(column, justify="right")
     for viewer, result in report["viewers"].items():
         best = result["best"]
         polls = best["dashboard_requests"]
         table.add_row(viewer, f"{best['output_tok_s']:.1f}",
                       f"{result['ratio_output_tok_s']:.3f}",
+                      " ".join(f"{r:.2f}" for r in result["round_ratios"]),
                       "" if viewer == "none" else f">= {TARGET}",
                       "-" if polls is None else f"{polls / best['duration_s']:.2f}")
     console = Console()
@@ -164,8 +173,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--requests-per-stream", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests-per-stream", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                       "dashboard.json"))

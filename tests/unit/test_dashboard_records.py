@@ -107,13 +107,15 @@ def test_history_one_row_per_second_with_idle_seconds_filled() -> None:
     history.record_step(scheduler(2, 1, 0.5), iteration(2))
     clock.now = 100.7
     history.record_step(scheduler(3, 0, 0.6), iteration(3, preemptions=1))
+    history.record_step(scheduler(0), None)  # the engine went idle
     clock.now = 103.1  # 101 and 102 were idle
     history.record_step(scheduler(1), iteration(1))
     clock.now = 104.0
     rows = history.samples()
     col = {name: i for i, name in enumerate(SAMPLE_FIELDS)}
     assert [r[col["t"]] for r in rows] == [100, 101, 102, 103]
-    assert [r[col["running"]] for r in rows] == [3, 3, 3, 1]  # last gauges of each second
+    assert [r[col["running"]] for r in rows] == [3, 0, 0, 1]  # the peak of each second
+    assert [r[col["waiting"]] for r in rows] == [1, 0, 0, 0]
     assert [r[col["generation_tokens"]] for r in rows] == [5, 0, 0, 1]
     assert [r[col["preemptions"]] for r in rows] == [1, 0, 0, 0]
     assert history.total_preemptions == 1

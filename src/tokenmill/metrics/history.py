@@ -5,8 +5,9 @@ Standard library only. A step sink (``record_step``) and a finished-request sink
 of cumulative counters:
 
 - ``samples``: for every whole second of the last ``window_s``, the scheduler's gauges
-  at the end of that second and the tokens and preemptions of its steps. A second with
-  no step repeats the previous gauges with zero counts, so the series has no holes.
+  at their highest during that second (so a request that came and went within it
+  still shows) and the tokens and preemptions of its steps. A second with no step
+  repeats the gauges the previous one ended with, and zero counts: no holes.
 - latency percentiles (TTFT, ITL, TPOT, e2e) over the requests that finished in the
   last ``window_s``, the most recent ``max_samples`` values of each.
 
@@ -41,7 +42,8 @@ class EngineHistory:
         self.latest = _IDLE
         self.total_preemptions = 0
         self.finished = {reason.value: 0 for reason in FinishReason}
-        # closed seconds: [second, gauges, prompt tokens, generation tokens, preemptions]
+        # closed seconds: [second, last gauges, prompt tokens, generation tokens,
+        # preemptions, peak gauges]
         self._seconds: deque[list] = deque(maxlen=window_s)
         self._open: list | None = None
         self._latency: dict[str, deque[tuple[float, float]]] = {
@@ -53,10 +55,11 @@ class EngineHistory:
     def record_step(self, scheduler: SchedulerStats, iteration: IterationStats | None) -> None:
         second = int(self.clock())
         if self._open is None:
-            self._open = [second, scheduler, 0, 0, 0]
+            self._open = [second, scheduler, 0, 0, 0, scheduler]
         self._roll(second)
         self.latest = scheduler
         self._open[1] = scheduler
+        self._open[5] = _peak(self._open[5], scheduler)
         if iteration is not None:
             self._open[2] += iteration.num_prompt_tokens
             self._open[3] += iteration.num_generation_tokens
@@ -82,8 +85,8 @@ class EngineHistory:
         closed = self._open
         self._seconds.append(closed)
         for idle in range(max(closed[0] + 1, second - self.window_s), second):
-            self._seconds.append([idle, closed[1], 0, 0, 0])
-        self._open = [second, closed[1], 0, 0, 0]
+            self._seconds.append([idle, closed[1], 0, 0, 0, closed[1]])
+        self._open = [second, closed[1], 0, 0, 0, closed[1]]
 
     # -------------------------------------------------------------- reading
     def samples(self, since: float | None = None) -> list[list]:
@@ -94,7 +97,7 @@ class EngineHistory:
         first = now - self.window_s if since is None else max(now - self.window_s, since)
         return [[second, g.num_running, g.num_waiting, g.num_tokens_waiting,
                  round(g.kv_cache_usage, 4), g.kv_cache_tokens_used, prompt, generation, pre]
-                for second, g, prompt, generation, pre in self._seconds if second > first]
+                for second, _, prompt, generation, pre, g in self._seconds if second > first]
 
     def latency_percentiles(self) -> dict[str, dict[str, float | None]]:
         """{metric: {"p50": s, "p90": s, "p99": s, "count": n}} over the window; computed
@@ -109,6 +112,16 @@ class EngineHistory:
                       for name, values in self._latency.items()}
             self._percentiles = (self._latency_version, result)
         return self._percentiles[1]
+
+
+def _peak(a: SchedulerStats, b: SchedulerStats) -> SchedulerStats:
+    return SchedulerStats(
+        num_running=max(a.num_running, b.num_running),
+        num_waiting=max(a.num_waiting, b.num_waiting),
+        kv_cache_usage=max(a.kv_cache_usage, b.kv_cache_usage),
+        kv_cache_tokens_used=max(a.kv_cache_tokens_used, b.kv_cache_tokens_used),
+        num_tokens_waiting=max(a.num_tokens_waiting, b.num_tokens_waiting),
+        num_tokens_waiting_raw=max(a.num_tokens_waiting_raw, b.num_tokens_waiting_raw))
 
 
 def percentiles(values: Iterable[float]) -> dict[str, float | None]:
