@@ -93,7 +93,10 @@ def _serve_parser(sub) -> None:
     p.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between the summary lines in the log")
     p.add_argument("--disable-log-stats", action="store_true",
-                   help="no summary lines, and no engine or request stats in /metrics")
+                   help="no summary lines, no engine or request stats in /metrics or the "
+                        "dashboard")
+    p.add_argument("--ui-show-text", action="store_true",
+                   help="let /v1/requests/recent and the dashboard show prompts and outputs")
     add_engine_options(p)
     p.set_defaults(func=_run_serve)
 

@@ -26,6 +26,7 @@ from tokenmill.core.request import EngineCoreRequest
 from tokenmill.core.types import EngineCoreOutput
 from tokenmill.frontend.engine_loop import Abort, QueueState, StepResult
 from tokenmill.frontend.outputs import ChoiceDelta
+from tokenmill.frontend.request_log import RequestLog
 from tokenmill.frontend.request_state import ChoiceState
 from tokenmill.metrics.records import (
     FinishReason,
@@ -76,7 +77,7 @@ class RequestStream:
 
     def _finish(self, delta: ChoiceDelta) -> None:
         self._num_unfinished -= 1
-        self.engine.on_choice_finished(delta.stats)
+        self.engine.on_choice_finished(self._by_index[delta.index], delta.stats)
 
     async def __aiter__(self) -> AsyncIterator[ChoiceDelta]:
         try:
@@ -115,13 +116,15 @@ class AsyncEngine:
 
     def __init__(self, conn: Connection, tokenizer: Tokenizer, step_sinks=(), finished_sinks=(),
                  max_num_queued_requests: int | None = None,
-                 max_num_queued_tokens: int | None = None) -> None:
+                 max_num_queued_tokens: int | None = None,
+                 request_log: RequestLog | None = None) -> None:
         self.conn = conn
         self.tokenizer = tokenizer
         self.step_sinks = list(step_sinks)  # record_step(SchedulerStats, IterationStats | None)
         self.finished_sinks = list(finished_sinks)  # record_finished(RequestStats)
         self.max_num_queued_requests = max_num_queued_requests
         self.max_num_queued_tokens = max_num_queued_tokens
+        self.request_log = request_log  # recent requests' lifecycles, for the dashboard
         self._send_lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}  # by choice (engine request) id
         self._open_streams: set[RequestStream] = set()  # responses not yet closed
@@ -151,12 +154,13 @@ class AsyncEngine:
                 pass  # the engine loop is gone; ``run`` has seen or will see it end
 
     # ---------------------------------------------------------------- requests
-    def add_request(self, core_requests: list[EngineCoreRequest],
-                    arrival_ts: float) -> RequestStream:
+    def add_request(self, core_requests: list[EngineCoreRequest], arrival_ts: float,
+                    request_id: str = "") -> RequestStream:
         """Admit an API request and open its stream.
 
         ``core_requests`` holds one engine request per choice, for every prompt, in the
-        order of the API's choice indices.
+        order of the API's choice indices. ``request_id`` names the API request in the
+        request log.
         """
         self._admit(core_requests)
         for r in core_requests:
@@ -169,6 +173,9 @@ class AsyncEngine:
                                r.sampling_params, frontend_events)
                    for i, r in enumerate(core_requests)]
         stream = RequestStream(self, choices)
+        if self.request_log is not None:
+            self.request_log.started(request_id, choices,
+                                     [r.prompt_token_ids for r in core_requests])
         self._pending_requests += len(core_requests)
         self._pending_tokens += sum(len(r.prompt_token_ids) for r in core_requests)
         for r in core_requests:
@@ -202,10 +209,12 @@ class AsyncEngine:
         if req_ids:
             self._send(Abort(req_ids, reason))
 
-    def on_choice_finished(self, stats: RequestStats | None) -> None:
+    def on_choice_finished(self, choice: ChoiceState, stats: RequestStats | None) -> None:
         if stats is not None:
             for sink in self.finished_sinks:
                 sink.record_finished(stats)
+            if self.request_log is not None:
+                self.request_log.finished(choice, stats)
 
     # --------------------------------------------------------------- receiver
     def run(self) -> None:

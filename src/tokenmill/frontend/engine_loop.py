@@ -72,6 +72,7 @@ class EngineInfo:
     model_name: str
     max_model_len: int
     vocab_size: int  # token ids the processor accepts: min(model's, tokenizer's)
+    num_kv_blocks: int
 
 
 class _Inbox:
@@ -202,5 +203,6 @@ def _engine_process_main(config: EngineConfig, conn: Connection, log_level: int)
         conn.send(ValueError(str(error)))
         conn.close()
         return
-    conn.send(EngineInfo(engine.model_name, engine.max_model_len, engine.processor.vocab_size))
+    conn.send(EngineInfo(engine.model_name, engine.max_model_len, engine.processor.vocab_size,
+                         engine.core.kv.pool.num_blocks))
     run_engine_loop(engine.core, conn)

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from tokenmill import __version__
 from tokenmill.frontend.async_engine import AsyncEngine
 from tokenmill.frontend.processor import InputProcessor
+from tokenmill.metrics.history import EngineHistory
 from tokenmill.metrics.log import StatLogger
 from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.server.errors import APIError, error_response, install_error_handlers
@@ -25,6 +26,7 @@ from tokenmill.server.protocol import (
     TokenizeRequest,
 )
 from tokenmill.server.serving import OpenAIServing, ServerOptions
+from tokenmill.server.ui import install_ui
 
 logger = logging.getLogger("tokenmill")
 
@@ -32,7 +34,11 @@ logger = logging.getLogger("tokenmill")
 def build_app(engine: AsyncEngine, processor: InputProcessor, metrics: PrometheusMetrics,
               options: ServerOptions, max_model_len: int,
               stat_logger: StatLogger | None = None,
-              lifecycle: ServerLifecycle | None = None) -> FastAPI:
+              lifecycle: ServerLifecycle | None = None,
+              history: EngineHistory | None = None,
+              engine_limits: dict[str, int] | None = None) -> FastAPI:
+    """``history`` (and the engine's request log) feed the dashboard, None when stats are
+    off; ``engine_limits`` are the engine's sizes it shows (``ui.install_ui``)."""
     serving = OpenAIServing(engine, processor, metrics, options)
     lifecycle = lifecycle or ServerLifecycle(engine, shutdown_timeout=0.0)
 
@@ -99,6 +105,9 @@ def build_app(engine: AsyncEngine, processor: InputProcessor, metrics: Prometheu
     async def prometheus() -> Response:
         payload, content_type = metrics.render()
         return Response(payload, media_type=content_type)
+
+    install_ui(app, options.served_model_name, engine_limits or {}, history,
+               engine.request_log)
 
     @app.exception_handler(ValueError)
     async def _bad_value(_: Request, exc: ValueError) -> JSONResponse:

@@ -42,7 +42,7 @@ def error_response(status: int, message: str, param: str | None = None,
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query")]
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     param = loc[0] if loc else None

@@ -126,7 +126,7 @@ class OpenAIServing:
         for i, ids in enumerate(prompt_ids):
             core_requests += self.processor.make_core_requests(f"{engine_id}-p{i}", ids, params)
         try:
-            stream = self.engine.add_request(core_requests, arrival)
+            stream = self.engine.add_request(core_requests, arrival, request_id)
         except AdmissionRejected as rejected:
             self.metrics.record_rejection(rejected.reason)
             raise
