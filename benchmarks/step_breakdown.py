@@ -1,17 +1,19 @@
 """Where a serving step's time goes, at one stream and at many.
 
 Runs the real ``tokenmill serve`` in this process (``cli.main``), with timers wrapped
-around the engine's parts, and drives it from a ``tokenmill bench`` subprocess (its own
-cores' worth of Python, as a real client would be): ``--input-len`` prompt tokens,
+around the engine's parts in its engine process (which writes their totals to a file a
+few times a second) and around output processing in this one, and drives it from a
+``tokenmill bench`` subprocess (its own Python, as a real client would be):
+``--input-len`` prompt tokens,
 exactly ``--output-len`` output tokens, streaming, at each ``--concurrency`` in turn.
 Per level it prints the mean milliseconds per engine step of:
 
-- engine thread: scheduling (``Scheduler.schedule``), input preparation (the runner's
+- engine process: scheduling (``Scheduler.schedule``), input preparation (the runner's
   tensors and attention plan), forward (matmuls incl. the LM head, attention, the rest:
   norms, rotary, embedding, residuals), sampling (settings + sampler), update (stop
-  checks, outputs), other (the rest of ``EngineCore.step``), idle (between steps:
-  waiting for work, the inbox, or the GIL);
-- event-loop thread (CPU time): output processing (detokenisation, stop strings,
+  checks, outputs), other (the rest of ``EngineCore.step``: sending results, the queue
+  state), idle (between steps: waiting for work or the inbox);
+- server process, event-loop thread (CPU time): output processing (detokenisation, stop strings,
   stats) and HTTP/SSE (everything else it does: parsing, JSON, streaming).
 
 The timers cost a few microseconds per call (about 150 calls per step); the figures
@@ -46,21 +48,23 @@ from tokenmill.core.engine_core import EngineCore
 from tokenmill.core.model_runner import ModelRunner
 from tokenmill.core.sampler import Sampler
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.frontend import request_state
+from tokenmill.frontend import engine_loop, request_state
 from tokenmill.models import layers, llama
 
+SNAPSHOT_ENV = "STEP_BREAKDOWN_FILE"
+SNAPSHOT_PERIOD_S = 0.2
+ENGINE_MAIN = engine_loop._engine_process_main
 ENGINE_PARTS = ("schedule", "prepare", "matmuls", "attention", "forward_rest", "sampling",
                 "update", "other", "idle")
 LOOP_PARTS = ("output_processing", "http_sse")
 
 
 class Timers:
-    """Seconds per part, summed; ``steps`` counts ``Scheduler.schedule`` calls that ran work."""
+    """Cumulative seconds per part; ``steps`` counts the engine steps that ran work."""
 
     def __init__(self) -> None:
         self.seconds: collections.Counter[str] = collections.Counter()
         self.steps = 0
-        self.started = time.perf_counter()
 
     def wrap(self, owner, name: str, part: str) -> None:
         original = getattr(owner, name)
@@ -76,13 +80,12 @@ class Timers:
 
         setattr(owner, name, timed)
 
-    def reset(self) -> None:
-        self.seconds.clear()
-        self.steps = 0
-        self.started = time.perf_counter()
+    def snapshot(self) -> dict:
+        return {"seconds": dict(self.seconds), "steps": self.steps,
+                "clock": time.perf_counter()}
 
 
-def instrument(timers: Timers) -> None:
+def instrument_engine(timers: Timers) -> None:
     timers.wrap(Scheduler, "schedule", "schedule")
     timers.wrap(Scheduler, "update_from_output", "update")
     timers.wrap(EngineCore, "step", "step")
@@ -94,7 +97,6 @@ def instrument(timers: Timers) -> None:
     timers.wrap(llama.LlamaForCausalLM, "compute_logits", "lm_head")
     timers.wrap(llama, "paged_attention", "attention")
     timers.wrap(llama.LlamaForCausalLM, "forward", "forward")
-    timers.wrap(request_state.ChoiceState, "process", "output_processing")
     timers.wrap(Sampler, "__call__", "sampling")
     schedule = Scheduler.schedule
 
@@ -105,6 +107,30 @@ def instrument(timers: Timers) -> None:
         return output
 
     Scheduler.schedule = counting_schedule
+
+
+def instrumented_engine_main(config, conn, log_level) -> None:
+    """The engine process's entry point, with timers; their cumulative totals are written
+    to ``$STEP_BREAKDOWN_FILE`` every ``SNAPSHOT_PERIOD_S``."""
+    timers = Timers()
+    instrument_engine(timers)
+    path = os.environ[SNAPSHOT_ENV]
+
+    def write_snapshots() -> None:
+        while True:
+            with open(path + ".tmp", "w") as f:
+                json.dump(timers.snapshot(), f)
+            os.replace(path + ".tmp", path)
+            time.sleep(SNAPSHOT_PERIOD_S)
+
+    threading.Thread(target=write_snapshots, daemon=True).start()
+    ENGINE_MAIN(config, conn, log_level)
+
+
+def read_snapshot() -> dict:
+    time.sleep(3 * SNAPSHOT_PERIOD_S)  # let the engine write the figures of the last step
+    with open(os.environ[SNAPSHOT_ENV]) as f:
+        return json.load(f)
 
 
 def thread_cpu_seconds(native_id: int) -> float:
@@ -137,9 +163,12 @@ def wait_ready(base_url: str) -> None:
     raise SystemExit("the server did not start")
 
 
-def level_breakdown(timers: Timers, wall: float, loop_cpu: float) -> dict:
-    s = timers.seconds
-    steps = max(timers.steps, 1)
+def level_breakdown(before: dict, after: dict, loop_seconds: collections.Counter,
+                    loop_cpu: float) -> dict:
+    s = collections.Counter(after["seconds"])
+    s.subtract(before["seconds"])
+    steps = max(after["steps"] - before["steps"], 1)
+    wall = after["clock"] - before["clock"]
     parts = {
         "schedule": s["schedule"], "prepare": s["prepare"] + s["plan"],
         "matmuls": s["matmuls"] + s["lm_head"], "attention": s["attention"],
@@ -148,14 +177,14 @@ def level_breakdown(timers: Timers, wall: float, loop_cpu: float) -> dict:
     parts["other"] = s["step"] - sum(parts.values())
     parts.update({
         "idle": max(wall - s["step"], 0.0),
-        "output_processing": s["output_processing"],
-        "http_sse": max(loop_cpu - s["output_processing"], 0.0),
+        "output_processing": loop_seconds["output_processing"],
+        "http_sse": max(loop_cpu - loop_seconds["output_processing"], 0.0),
     })
-    return {"steps": timers.steps, "wall_s": wall,
+    return {"steps": after["steps"] - before["steps"], "wall_s": wall,
             "ms_per_step": {k: 1000 * v / steps for k, v in parts.items()}}
 
 
-def drive(args: argparse.Namespace, base_url: str, timers: Timers) -> list[dict]:
+def drive(args: argparse.Namespace, base_url: str, loop_timers: Timers) -> list[dict]:
     levels = []
     loop_thread = http_thread_id()
     for seed, concurrency in enumerate(args.concurrency):
@@ -168,13 +197,14 @@ def drive(args: argparse.Namespace, base_url: str, timers: Timers) -> list[dict]
                        "--result-json", result.name]
             subprocess.run([*command[:-2], "--num-requests", "1", "--seed", "999"],
                            check=True, capture_output=True)  # warm-up
-            timers.reset()
+            before = read_snapshot()
+            loop_timers.seconds.clear()
             loop_start = thread_cpu_seconds(loop_thread)
             subprocess.run(command, check=True, capture_output=True)
-            wall = time.perf_counter() - timers.started
             loop_cpu = thread_cpu_seconds(loop_thread) - loop_start
+            after = read_snapshot()
             summary = json.load(open(result.name))["summary"]
-        level = level_breakdown(timers, wall, loop_cpu)
+        level = level_breakdown(before, after, loop_timers.seconds, loop_cpu)
         level.update(concurrency=concurrency, output_tok_s=summary["output_throughput"])
         levels.append(level)
         print(f"  c{concurrency}: {level['output_tok_s']:.1f} tok/s, {level['steps']} steps",
@@ -212,8 +242,11 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/step_breakdown.json")
     args, server_args = parser.parse_known_args()
     server_args = [a for a in server_args if a != "--"]
-    timers = Timers()
-    instrument(timers)
+    loop_timers = Timers()
+    loop_timers.wrap(request_state.ChoiceState, "process", "output_processing")
+    engine_loop._engine_process_main = instrumented_engine_main
+    snapshot_dir = tempfile.mkdtemp()
+    os.environ[SNAPSHOT_ENV] = os.path.join(snapshot_dir, "engine_timers.json")
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     report: dict = {"server_args": server_args, "args": vars(args)}
@@ -221,7 +254,7 @@ def main() -> None:
     def run_load() -> None:
         try:
             wait_ready(base_url)
-            report["levels"] = drive(args, base_url, timers)
+            report["levels"] = drive(args, base_url, loop_timers)
         finally:
             os.kill(os.getpid(), signal.SIGINT)
 
