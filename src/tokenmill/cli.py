@@ -65,6 +65,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no summary lines, and no engine or request stats in /metrics")
     add_engine_options(p)
+    from tokenmill.ray_serve.launch import add_ray_options
+
+    add_ray_options(p)
     p.set_defaults(func=_run_serve)
 
 
@@ -100,6 +103,10 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    if args.ray:
+        from tokenmill.ray_serve.launch import serve_on_ray
+
+        return serve_on_ray(args, engine_config_from(args))
     from tokenmill.server.run import serve
 
     return serve(args, engine_config_from(args))

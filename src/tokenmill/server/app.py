@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill import __version__
 from tokenmill.frontend.async_engine import AsyncEngine
+from tokenmill.frontend.builder import Engine
 from tokenmill.frontend.processor import InputProcessor
 from tokenmill.metrics.log import StatLogger
 from tokenmill.metrics.prometheus import PrometheusMetrics
@@ -25,6 +28,29 @@ from tokenmill.server.protocol import (
 from tokenmill.server.serving import OpenAIServing, ServerOptions, new_request_id
 
 logger = logging.getLogger("tokenmill")
+
+
+def build_server(args: argparse.Namespace, engine: Engine,
+                 extra_step_sinks: Sequence = ()) -> tuple[AsyncEngine, FastAPI]:
+    """The engine client and the app for ``tokenmill serve``'s options, around a built engine.
+
+    One code path for a single server and for every Ray Serve replica; ``extra_step_sinks``
+    also receive each step's ``SchedulerStats`` (a replica reports its token load with them),
+    even with ``--disable-log-stats``.
+    """
+    name = args.served_model_name or engine.model_name
+    metrics = PrometheusMetrics(name, vllm_names=args.metrics_vllm_names)
+    stat_logger = None if args.disable_log_stats else StatLogger(name, args.log_stats_interval)
+    step_sinks = [] if args.disable_log_stats else [metrics, stat_logger]
+    finished_sinks = [] if args.disable_log_stats else [metrics]
+    config = engine.config
+    async_engine = AsyncEngine(engine.core, engine.tokenizer, [*step_sinks, *extra_step_sinks],
+                               finished_sinks, config.max_num_queued_requests,
+                               config.max_num_queued_tokens)
+    options = ServerOptions(name, args.default_continuous_usage_stats, args.api_key)
+    app = build_app(async_engine, engine.processor, metrics, options, engine.max_model_len,
+                    stat_logger)
+    return async_engine, app
 
 
 def build_app(engine: AsyncEngine, processor: InputProcessor, metrics: PrometheusMetrics,
