@@ -9,8 +9,8 @@ them all.
 
 Besides the app, a replica reports ``TokenLoad.stats()`` to Serve's autoscaler
 (``record_autoscaling_stats``) and router (``record_routing_stats``), and mirrors the
-scheduler gauges as Ray metrics labelled by replica (``ReplicaGauges``). Every response names its replica in the ``x-tokenmill-replica``
-header.
+scheduler gauges as Ray metrics labelled by replica (``ReplicaGauges``). Every response
+names its replica in the ``x-tokenmill-replica`` header.
 """
 
 from __future__ import annotations
