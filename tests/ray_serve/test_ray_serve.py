@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import threading
 import time
 import uuid
@@ -64,8 +65,10 @@ def ray_server(tiny_long_model):
         del os.environ[MARKER]
     import ray
 
-    ray.init(address="auto", logging_level="warning")
     try:
+        with open(server.log_path) as log:
+            address = re.search(r"Ray cluster at (\S+)", log.read()).group(1)
+        ray.init(address=address, logging_level="warning")
         yield server
     finally:
         ray.shutdown()

@@ -137,6 +137,7 @@ def serve_on_ray(args: argparse.Namespace, config: EngineConfig) -> int:
 
     if not own_ray:
         ray.init(address=args.ray_address)
+    logger.info("Ray cluster at %s", ray.get_runtime_context().gcs_address)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
