@@ -22,6 +22,7 @@ _ENGINE_HELP = {
     "dtype": "auto (bf16 where the hardware has it), float32, bfloat16 or float16",
     "quantization": "none (default) or int8: int8 weights, bfloat16 activations (CPU)",
     "device": "auto (CUDA when present), cpu or cuda[:N]",
+    "num_threads": "the engine's compute threads (default: every core)",
     "max_model_len": "longest prompt + output in tokens (default: the model's, at most 8192)",
     "block_size": "tokens per KV-cache block",
     "num_kv_blocks": "KV-cache blocks (overrides --kv-cache-memory)",
@@ -47,6 +48,7 @@ _LIMIT_HELP = {
     "max_stop_string_length": "most characters in one stop string",
     "max_request_id_length": "most characters in an x-request-id header",
 }
+LIMIT_OPTIONS = tuple(_LIMIT_HELP)
 API_KEY_ENV = "TOKENMILL_API_KEY"
 
 
@@ -98,6 +100,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--ui-show-text", action="store_true",
                    help="let /v1/requests/recent and the dashboard show prompts and outputs")
     add_engine_options(p)
+    from tokenmill.ray_serve.launch import add_ray_options
+
+    add_ray_options(p)
     p.set_defaults(func=_run_serve)
 
 
@@ -133,6 +138,10 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    if args.ray:
+        from tokenmill.ray_serve.launch import serve_on_ray
+
+        return serve_on_ray(args, engine_config_from(args))
     from tokenmill.server.run import serve
 
     return serve(args, engine_config_from(args), api_keys_from(args), request_limits_from(args))

@@ -33,6 +33,7 @@ class EngineConfig:
     dtype: str = "auto"
     quantization: str = "none"  # "none" or "int8"
     device: str = "auto"
+    num_threads: int | None = None  # compute threads; None: PyTorch's default (every core)
     max_model_len: int | None = None  # None: the model's context length, capped at 8192
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
@@ -64,6 +65,7 @@ class EngineConfig:
         positive("max_num_seqs", self.max_num_seqs)
         positive("max_num_batched_tokens", self.max_num_batched_tokens)
         positive("max_model_len", self.max_model_len, allow_none=True)
+        positive("num_threads", self.num_threads, allow_none=True)
         positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         positive("max_num_queued_requests", self.max_num_queued_requests, allow_none=True)
         positive("max_num_queued_tokens", self.max_num_queued_tokens, allow_none=True)

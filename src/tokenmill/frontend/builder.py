@@ -37,6 +37,10 @@ class Engine:
 
 
 def build_engine(config: EngineConfig) -> Engine:
+    """The engine ``config`` describes; ``num_threads``, when given, sets this process's
+    PyTorch compute threads."""
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
     device = pick_device() if config.device == "auto" else torch.device(config.device)
     # int8 weights multiply bfloat16 activations, so "auto" means bfloat16 with them
     dtype = (torch.bfloat16 if config.quantization == "int8" and config.dtype == "auto"

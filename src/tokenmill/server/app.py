@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill import __version__
+from tokenmill.config import EngineConfig
 from tokenmill.frontend.async_engine import AsyncEngine
+from tokenmill.frontend.engine_loop import EngineInfo
 from tokenmill.frontend.processor import InputProcessor
+from tokenmill.frontend.request_log import RequestLog
 from tokenmill.metrics.history import EngineHistory
 from tokenmill.metrics.log import StatLogger
 from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.server.errors import APIError, error_response, install_error_handlers
 from tokenmill.server.lifecycle import ServerLifecycle
+from tokenmill.server.limits import RequestLimits
 from tokenmill.server.middleware import RequestGate
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
@@ -27,8 +34,45 @@ from tokenmill.server.protocol import (
 )
 from tokenmill.server.serving import OpenAIServing, ServerOptions
 from tokenmill.server.ui import install_ui
+from tokenmill.tokenizer.tokenizer import load_tokenizer
 
 logger = logging.getLogger("tokenmill")
+
+
+def build_server(args: argparse.Namespace, config: EngineConfig, conn: Connection,
+                 info: EngineInfo, api_keys: tuple[str, ...], limits: RequestLimits,
+                 extra_step_sinks: Sequence = ()) -> tuple[AsyncEngine, FastAPI,
+                                                           ServerLifecycle]:
+    """The engine client, the app and its lifecycle for ``tokenmill serve``'s options, around
+    an engine loop at the far end of ``conn`` (``engine_loop``).
+
+    One code path for a single server and for every Ray Serve replica; ``extra_step_sinks``
+    also receive each step's ``SchedulerStats`` (a replica reports its token load with them),
+    even with ``--disable-log-stats``.
+    """
+    tokenizer = load_tokenizer(config.model)
+    processor = InputProcessor(tokenizer, info.max_model_len, info.vocab_size)
+    name = args.served_model_name or info.model_name
+    metrics = PrometheusMetrics(name, vllm_names=args.metrics_vllm_names)
+    stats = not args.disable_log_stats
+    stat_logger = StatLogger(name, args.log_stats_interval,
+                             speculative=config.speculative_ngram > 0) if stats else None
+    history = EngineHistory() if stats else None
+    request_log = RequestLog(tokenizer, keep_text=args.ui_show_text) if stats else None
+    step_sinks = [metrics, stat_logger, history] if stats else []
+    finished_sinks = [metrics, history] if stats else []
+    async_engine = AsyncEngine(conn, tokenizer, [*step_sinks, *extra_step_sinks], finished_sinks,
+                               config.max_num_queued_requests, config.max_num_queued_tokens,
+                               request_log)
+    options = ServerOptions(name, args.default_continuous_usage_stats, api_keys, limits)
+    lifecycle = ServerLifecycle(async_engine, args.shutdown_timeout)
+    engine_limits = {"max_num_seqs": config.max_num_seqs,
+                     "max_num_batched_tokens": config.max_num_batched_tokens,
+                     "max_model_len": info.max_model_len,
+                     "kv_cache_tokens_total": info.num_kv_blocks * config.block_size}
+    app = build_app(async_engine, processor, metrics, options, info.max_model_len,
+                    stat_logger, lifecycle, history, engine_limits)
+    return async_engine, app, lifecycle
 
 
 def build_app(engine: AsyncEngine, processor: InputProcessor, metrics: PrometheusMetrics,
