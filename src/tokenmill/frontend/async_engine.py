@@ -9,9 +9,10 @@ each API request gets its own asyncio stream of ``ChoiceDelta``s.
       (detokenise, stop strings, stats)
 
 Detokenisation, stop strings and stats maths run on the event loop, off the step
-loop. An abort reaches the core before its next step. Admission control counts the
-waiting queue as the core last reported it (``QueueState``, sent by each step once it
-has scheduled) plus what was sent since and not yet taken by the core.
+loop. An abort reaches the core before its next step. Each step reports the scheduler's
+gauges twice: once it has scheduled (``QueueState``) and once it is done (its
+``StepResult``); step sinks see both. Admission control counts the waiting queue as the
+core last reported it plus what was sent since and not yet taken by the core.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from tokenmill.metrics.records import (
     FinishReason,
     RequestEvent,
     RequestEventType,
+    SchedulerStats,
 )
 from tokenmill.metrics.stats import RequestStats
 from tokenmill.tokenizer.tokenizer import Tokenizer
@@ -129,7 +131,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}  # by choice (engine request) id
         self._open_streams: set[RequestStream] = set()  # responses not yet closed
         self.consecutive_failures = 0  # failed steps since the last good one
-        self._queue = QueueState(0, 0, 0, 0)  # the core's last word on its waiting queue
+        self._queue_stats = SchedulerStats(0, 0, 0.0, 0, 0, 0)  # the core's latest gauges
         self._pending_requests = 0  # sent but not yet taken by the core
         self._pending_tokens = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -184,7 +186,8 @@ class AsyncEngine:
         return stream
 
     def _admit(self, core_requests: list[EngineCoreRequest]) -> None:
-        waiting, waiting_tokens = self._queue.num_waiting, self._queue.num_tokens_waiting_raw
+        waiting = self._queue_stats.num_waiting
+        waiting_tokens = self._queue_stats.num_tokens_waiting_raw
         cap = self.max_num_queued_requests
         if cap is not None and waiting + self._pending_requests + len(core_requests) > cap:
             raise AdmissionRejected(f"the server's queue is full ({cap} waiting requests)",
@@ -231,13 +234,16 @@ class AsyncEngine:
 
     def _dispatch(self, result: StepResult | QueueState) -> None:
         if isinstance(result, QueueState):
-            self._queue = result
+            self._queue_stats = result.stats
             self._pending_requests -= result.taken_requests
             self._pending_tokens -= result.taken_tokens
+            for sink in self.step_sinks:
+                sink.record_step(result.stats, None)
             return
         if result.failed is not None:
             self.consecutive_failures = self.consecutive_failures + 1 if result.failed else 0
         outputs = result.outputs
+        self._queue_stats = outputs.scheduler_stats
         for sink in self.step_sinks:
             sink.record_step(outputs.scheduler_stats, outputs.iteration_stats)
         for out in outputs.outputs:

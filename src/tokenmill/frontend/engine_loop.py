@@ -16,10 +16,12 @@ own process the step loop never waits for the server's Python.
 Invariants: ``None`` on the pipe stops the loop, which then closes its end (the reader
 of results sees ``EOFError``). Each step sends a ``QueueState`` as soon as it has
 scheduled, then its ``StepResult``. A ``QueueState`` says how many requests (and prompt
-tokens) the core took from the inbox since the previous one and what waits now, so the
-sender's admission control counts the queue as the core sees it, one message behind at
-most, even during a long step. When the core goes idle the loop publishes one more
-result, so gauges read zero as soon as the last request ends.
+tokens) the core took from the inbox since the previous one and the scheduler's gauges
+now, so the sender's admission control counts the queue as the core sees it, and its
+gauges (and a Ray replica's reported token load) show a step's new requests and KV
+blocks, one message behind at most, even during a long step. When the core goes idle
+the loop publishes one more result, so gauges read zero as soon as the last request
+ends.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from multiprocessing.connection import Connection
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_core import EngineCore, StepFailed
 from tokenmill.core.types import EngineCoreOutputs
-from tokenmill.metrics.records import FinishReason
+from tokenmill.metrics.records import FinishReason, SchedulerStats
 
 logger = logging.getLogger("tokenmill")
 
@@ -57,12 +59,11 @@ class StepResult:
 
 @dataclass(frozen=True, slots=True)
 class QueueState:
-    """The waiting queue once a step has scheduled (sent before its forward pass)."""
+    """The scheduler's gauges once a step has scheduled (sent before its forward pass)."""
 
     taken_requests: int  # requests the core took from the inbox since the last QueueState
     taken_tokens: int  # their prompt tokens
-    num_waiting: int
-    num_tokens_waiting_raw: int
+    stats: SchedulerStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,9 +112,7 @@ def run_engine_loop(core: EngineCore, conn: Connection) -> None:
 
     def publish_queue() -> None:
         nonlocal taken_requests, taken_tokens
-        sched = core.scheduler
-        conn.send(QueueState(taken_requests, taken_tokens, sched.num_waiting,
-                             sched.num_tokens_waiting_raw))
+        conn.send(QueueState(taken_requests, taken_tokens, core.scheduler.make_stats()))
         taken_requests = taken_tokens = 0
 
     core.on_scheduled = publish_queue
