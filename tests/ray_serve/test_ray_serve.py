@@ -5,7 +5,6 @@ state and each replica's token load, and to redeploy the application with autosc
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -215,16 +214,16 @@ def test_small_requests_avoid_the_replica_holding_a_long_prompt(ray_server):
 
 
 def test_token_load_scales_one_to_two_and_back(ray_server, tiny_long_model):
+    from tokenmill.cli import build_parser
     from tokenmill.config import EngineConfig
     from tokenmill.ray_serve.launch import build_application
 
-    args = argparse.Namespace(
-        served_model_name="tiny", metrics_vllm_names=False, disable_log_stats=False,
-        log_stats_interval=10.0, default_continuous_usage_stats=False, api_key=None,
-        min_replicas=1, max_replicas=2, target_tokens_per_replica=256,
-        upscale_delay_s=1.0, downscale_delay_s=5.0, look_back_period_s=1.0,
-        autoscaling_metrics_interval_s=0.25, routing_stats_period_s=0.2, replica_num_cpus=1,
-        request_router="token-load")
+    args = build_parser().parse_args([
+        "serve", tiny_long_model, "--ray", "--served-model-name", "tiny", "--min-replicas", "1",
+        "--max-replicas", "2", "--target-tokens-per-replica", "256", "--upscale-delay-s", "1",
+        "--downscale-delay-s", "5", "--look-back-period-s", "1",
+        "--autoscaling-metrics-interval-s", "0.25", "--routing-stats-period-s", "0.2",
+        "--replica-num-cpus", "1", "--request-router", "token-load"])
     config = EngineConfig(model=tiny_long_model, dtype="float32", max_model_len=MAX_MODEL_LEN)
     serve_api.delete(APP)
     serve_api.run(build_application(args, config), name=APP, route_prefix="/")
