@@ -74,7 +74,8 @@ def test_paged_attention_equals_naive(case):
     q = torch.cat(qs)
     k = torch.cat([k[s - n :] for (k, _), s, n in zip(full_kv, seq_lens, query_lens, strict=True)])
     v = torch.cat([v[s - n :] for (_, v), s, n in zip(full_kv, seq_lens, query_lens, strict=True)])
-    out = paged_attention(q, k, v, cache, plan_attention(md, torch.float32), HEAD_DIM**-0.5)
+    plan = plan_attention(md, torch.float32, cache.shape[1])
+    out = paged_attention(q, k, v, cache, plan, HEAD_DIM**-0.5)
 
     expected = torch.cat([
         naive_attention(qi, ki, vi, s - n)
@@ -88,11 +89,12 @@ def test_paged_attention_equals_naive(case):
 
 def test_plan_takes_the_batched_decode_path():
     """A pure-decode batch is planned as one padded call, masked only when lengths differ."""
-    _, md, _, _ = make_batch([1, 13, 6], [1, 1, 1], seed=0)
-    plan = plan_attention(md, torch.float32)
+    cache, md, _, _ = make_batch([1, 13, 6], [1, 1, 1], seed=0)
+    plan = plan_attention(md, torch.float32, cache.shape[1])
     assert plan.prefills == [] and plan.decode_token_idx is None
     assert plan.num_decode_seqs == 3 and plan.decode_len == 13
-    assert plan.decode_block_ids.tolist() == md.block_tables[:, :4].reshape(-1).tolist()
+    blocks = md.block_tables[:, :4].reshape(-1).tolist()  # keys' rows, then values'
+    assert plan.decode_block_ids.tolist() == blocks + [b + cache.shape[1] for b in blocks]
     assert (plan.decode_mask[:, 0, 0] == 0).sum(-1).tolist() == [1, 13, 6]
-    _, md, _, _ = make_batch([9, 9], [1, 1], seed=0)
-    assert plan_attention(md, torch.float32).decode_mask is None
+    cache, md, _, _ = make_batch([9, 9], [1, 1], seed=0)
+    assert plan_attention(md, torch.float32, cache.shape[1]).decode_mask is None

@@ -12,8 +12,11 @@ Per row, in this order (as vLLM does):
     greedy row: argmax                                    (temperature 0 or top_k 1)
     other rows: / temperature -> min-p -> top-k -> top-p -> sample
 
-Sampling is an exponential race: token = argmax(p_i / q_i), q_i ~ Exp(1), which
-picks token i with probability p_i. A seeded row draws its q from a generator seeded
+Sampling inverts the cumulative distribution: one uniform u per row, token = the first
+i whose cumulative probability exceeds u * (total), which picks token i with
+probability p_i (a token of probability 0 never: its cumulative sum equals its
+predecessor's). One random number per row, not one per vocabulary entry: generating
+those was most of a sampling step. A seeded row draws its u from a generator seeded
 with ``step_seed(seed, position)`` (see sampling_batch.py), where position is the number
 of tokens the request has output before this one. Its tokens therefore depend only on
 its seed, its logits and its position: never on the other rows of the batch, and with
@@ -88,16 +91,20 @@ class Sampler:
         if batch.top_p_rows is not None:
             assert batch.top_p is not None
             _apply_top_p(logits, batch.top_p_rows, batch.top_p)
-        probs = logits.softmax(dim=-1)
-        u = torch.empty_like(probs)  # q = -log(u), u ~ U[0, 1): cheaper than exponential_()
+        cdf = logits.softmax(dim=-1).cumsum_(dim=-1)
+        u = cdf.new_empty(cdf.shape[0], 1)
         if batch.any_unseeded:
             u.uniform_()
         for row, seed in batch.seeded:
             generator = self._generator(u.device)
             generator.manual_seed(seed)
             u[row].uniform_(generator=generator)
-        # NOTE: u < 1 keeps q > 0; u == 0 gives q = inf and p / q = 0, never NaN.
-        tokens = probs.div_(u.log_().neg_()).argmax(dim=-1)
+        # NOTE: the point stays below the total (u < 1, and rounding is capped), so some
+        # entry lies above it; right=True skips the entries of probability 0 (equal to the
+        # sum before them).
+        total = cdf[:, -1:]
+        point = torch.minimum(u.mul_(total), torch.nextafter(total, torch.zeros_like(total)))
+        tokens = torch.searchsorted(cdf, point, right=True).squeeze(1)
         if greedy_tokens is not None:
             assert batch.greedy is not None
             tokens = torch.where(batch.greedy, greedy_tokens, tokens)

@@ -149,7 +149,8 @@ class LlamaForCausalLM(nn.Module):
         Also writes each layer's new keys/values into ``kv_caches`` at the metadata's slots.
         """
         assert len(kv_caches) == len(self.model.layers), "one KV cache tensor per layer"
-        plan = plan_attention(attn_metadata, self.model.embed_tokens.weight.dtype)
+        plan = plan_attention(attn_metadata, self.model.embed_tokens.weight.dtype,
+                              kv_caches[0].shape[1])
         cos, sin = self.model.rotary_emb.cos_sin(positions)
         h = self.model.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
