@@ -79,6 +79,7 @@ def peer_running(url: str, command: str | None) -> Iterator[None]:
     if command is None:
         yield
         return
+    wait_until_gone(url)  # the server before may still be releasing the port
     with tempfile.TemporaryFile() as log:
         peer = subprocess.Popen(command, shell=True, start_new_session=True, stdout=log,
                                 stderr=subprocess.STDOUT)
@@ -102,6 +103,19 @@ def peer_running(url: str, command: str | None) -> Iterator[None]:
             except subprocess.TimeoutExpired:
                 os.killpg(peer.pid, signal.SIGKILL)
                 peer.wait()
+            wait_until_gone(url)
+
+
+def wait_until_gone(url: str) -> None:
+    """Until nothing answers at ``url`` (at most ``PEER_START_TIMEOUT_S``)."""
+    deadline = time.monotonic() + PEER_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url.rstrip("/") + "/v1/models", timeout=2)
+        except httpx.TransportError:
+            return
+        time.sleep(1)
+    raise SystemExit(f"a server still answers at {url}")
 
 
 class Levels:
