@@ -20,6 +20,7 @@ import argparse
 import gc
 import os
 
+from offline import common_prefix  # noqa: E402  (sibling module)
 from report_file import write_report  # noqa: E402  (sibling module)
 from rich.console import Console
 from rich.table import Table
@@ -39,15 +40,6 @@ QUESTIONS = [
     "Give me a recipe for pancakes.", "Translate 'good morning' into Spanish.",
     "What causes the seasons on Earth?", "Summarize the plot of Cinderella.",
 ]
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def measure_config(model: str | None, options: dict, max_tokens: int) -> dict:
