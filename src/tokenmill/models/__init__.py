@@ -1,9 +1,11 @@
 """Model runtime: plain ``nn.Module``s with an explicit paged-attention forward.
 
-    loader.load_model(path, dtype, device) -> (model, ModelConfig)
+    loader.load_model(path, dtype, device, quantization="none") -> (model, ModelConfig)
+        (projections in the weight format ``weight_formats.choose_weight_format`` picks)
     model(input_ids [T], positions [T], AttentionMetadata, kv_caches) -> hidden [T, H]
     model.compute_logits(hidden [N, H]) -> float32 logits [N, V]
     model.kv_cache_shape(num_blocks, block_size) -> one layer's cache shape
+    perplexity.perplexity(model, token_ids) -> float (accuracy of a weight format)
 
 Depends on torch (and the gguf / safetensors readers) only, never on the engine.
 """
