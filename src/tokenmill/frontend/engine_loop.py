@@ -119,17 +119,17 @@ def run_engine_loop(core: EngineCore, conn: Connection) -> None:
 
     try:
         while True:
-            while not inbox.items.empty():
-                item = inbox.items.get_nowait()
-                if item is None:
-                    return
-                if isinstance(item, Abort):
-                    core.abort_requests(item.req_ids, item.reason)
-                else:
-                    core.add_request(item)
-                    taken_requests += 1
-                    taken_tokens += len(item.prompt_token_ids)
             try:
+                while not inbox.items.empty():
+                    item = inbox.items.get_nowait()
+                    if item is None:
+                        return
+                    if isinstance(item, Abort):
+                        core.abort_requests(item.req_ids, item.reason)
+                    else:
+                        core.add_request(item)
+                        taken_requests += 1
+                        taken_tokens += len(item.prompt_token_ids)
                 if not core.has_work():
                     if not idle_published:
                         publish(core.step(), idle=True)
