@@ -19,7 +19,8 @@ The audit, once the server is idle:
   their clients saw; ``prompt_tokens_total`` lies between the finished requests' prompt
   tokens and that plus the abandoned ones';
 - gauges at zero, no KV block in use, at least one preemption;
-- the server's RSS grew less than 5% between the end of ``--warmup`` and the end.
+- the server's RSS (its processes together: server and engine) grew less than 5% between
+  the end of ``--warmup`` and the end.
 
 Prints a table and writes JSON (``passed`` says whether every check held); exit status
 1 if any failed. Usage::
@@ -234,11 +235,18 @@ def wait_idle(base_url: str, timeout: float = 120.0) -> dict[str, float]:
 
 
 def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
+    """Resident memory of ``pid`` and its child processes (the engine process among them)."""
+    total = 0
+    for member in (pid, *child_pids(pid)):
+        with open(f"/proc/{member}/status") as f:
+            total += next(int(line.split()[1]) * 1024 for line in f
+                          if line.startswith("VmRSS:"))
+    return total
+
+
+def child_pids(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(child) for child in f.read().split()]
 
 
 def audit(tally: Tally, m: dict[str, float], rss_warm: int, rss_end: int) -> dict[str, bool]:

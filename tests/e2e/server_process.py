@@ -45,11 +45,13 @@ class ServerProcess:
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
+        log = self.log()
         self.stop()
-        raise RuntimeError(f"server did not start in {timeout}s:\n{self.log()}")
+        raise RuntimeError(f"server did not start in {timeout}s:\n{log}")
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         with open(self.log_path) as f:
             return f.read()[-5000:]
 
