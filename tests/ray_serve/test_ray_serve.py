@@ -93,10 +93,13 @@ def single_server(tiny_long_model):
 
 
 def _running_replicas() -> int:
+    return _replica_states().get("RUNNING", 0)
+
+
+def _replica_states() -> dict[str, int]:
+    """Replicas of the app by state (STARTING, RUNNING, STOPPING, ...)."""
     status = serve_api.status().applications.get(APP)
-    if status is None:
-        return 0
-    return status.deployments[APP].replica_states.get("RUNNING", 0)
+    return {} if status is None else dict(status.deployments[APP].replica_states)
 
 
 def _replica_load(replica: str) -> dict:
@@ -246,9 +249,12 @@ def test_token_load_scales_one_to_two_and_back(ray_server, tiny_long_model):
     started = time.monotonic()
     for worker in workers:
         worker.start()
-    try:
-        while _running_replicas() < 2:
+    try:  # the autoscaler adds a replica within 15 s; starting it takes what a model takes
+        while sum(_replica_states().values()) < 2:
             assert time.monotonic() - started < 15, "no second replica within 15 s"
+            time.sleep(0.25)
+        while _running_replicas() < 2:
+            assert time.monotonic() - started < 90, "the second replica did not start"
             time.sleep(0.25)
     finally:
         stop.set()
