@@ -59,7 +59,8 @@ def ray_server(tiny_long_model):
         server = ServerProcess(tiny_long_model, "--ray", "--min-replicas", "2",
                                "--replica-num-cpus", "1", "--served-model-name", "tiny",
                                "--max-model-len", str(MAX_MODEL_LEN),
-                               "--routing-stats-period-s", "0.2", startup_timeout=240)
+                               "--request-router", "token-load", "--routing-stats-period-s", "0.2",
+                               startup_timeout=240)
     finally:
         del os.environ[MARKER]
     import ray

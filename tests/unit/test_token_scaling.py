@@ -11,7 +11,7 @@ import pytest
 from tokenmill.metrics.records import SchedulerStats
 from tokenmill.ray_serve.load import TokenLoad
 from tokenmill.ray_serve.policy import TokenLoadPolicy, desired_replicas
-from tokenmill.ray_serve.ranking import rank_by_token_load
+from tokenmill.ray_serve.ranking import EQUAL_LOAD_TOKENS, rank_by_token_load
 
 
 def _stats(kv: int, waiting: int) -> SchedulerStats:
@@ -74,10 +74,14 @@ def test_ranking_puts_the_least_loaded_replica_first():
     assert [[r.name for r in rank] for rank in ranked] == [["b"], ["c"], ["a"]]
 
 
-def test_ranking_breaks_ties_at_random():
-    replicas = [_replica(name, token_load=5) for name in "abc"] + [_replica("d", token_load=6)]
+def test_ranking_puts_nearly_equal_loads_in_one_rank_in_random_order():
+    replicas = [_replica("a", token_load=5), _replica("b", token_load=5 + EQUAL_LOAD_TOKENS),
+                _replica("c", token_load=5), _replica("d", token_load=6 + EQUAL_LOAD_TOKENS)]
     rng = random.Random(1)
-    firsts = Counter(rank_by_token_load(replicas, rng)[0][0].name for _ in range(600))
+    ranks = [rank_by_token_load(replicas, rng) for _ in range(600)]
+    assert all(sorted(r.name for r in ranked[0]) == ["a", "b", "c"] for ranked in ranks)
+    assert all([r.name for r in ranked[1]] == ["d"] for ranked in ranks)
+    firsts = Counter(ranked[0][0].name for ranked in ranks)
     assert set(firsts) == {"a", "b", "c"}
     assert min(firsts.values()) > 150
 

@@ -46,14 +46,15 @@ def add_ray_options(parser: argparse.ArgumentParser) -> None:
                        help="the autoscaler averages each replica's token load over this")
     group.add_argument("--autoscaling-metrics-interval-s", type=float, default=1.0,
                        help="how often replicas report their token load to the autoscaler")
-    group.add_argument("--routing-stats-period-s", type=float, default=0.5,
+    group.add_argument("--routing-stats-period-s", type=float, default=0.1,
                        help="how often replicas report their token load to the router")
     group.add_argument("--replica-num-cpus", type=float, default=None,
                        help="CPUs (and torch threads) per replica; default: this host's "
                             "cores / --max-replicas")
-    group.add_argument("--request-router", choices=("token-load", "default"),
-                       default="token-load",
-                       help="least token load, or Serve's default (power of two choices)")
+    group.add_argument("--request-router", choices=("default", "token-load"),
+                       default="default",
+                       help="Serve's default (power of two choices on requests in flight), "
+                            "or least token load")
     group.add_argument("--ray-metrics-export-port", type=int, default=None,
                        help="where the local Ray instance exports its Prometheus metrics, "
                             "per-replica tokenmill gauges included")

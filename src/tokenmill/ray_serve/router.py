@@ -1,10 +1,12 @@
 """``TokenLoadRequestRouter``: send each request to the replica with the least token load.
 
 Each replica's ``record_routing_stats`` reports its ``token_load`` every
-``request_routing_stats_period_s``; this router ranks the candidates by it (ties at
-random). Serve then tries the ranks in order, skipping a replica whose
-``max_ongoing_requests`` is reached. Until every candidate has reported, it routes as
-Serve's default router does (power of two choices on queue length).
+``request_routing_stats_period_s``; this router ranks the candidates by it, replicas with
+nearly equal loads sharing a rank (``ranking``). Serve then tries the ranks in order and,
+within a rank, picks the replica with the fewest requests in flight (its own count,
+fresher than any report), skipping a replica whose ``max_ongoing_requests`` is reached.
+Until every candidate has reported, it routes as Serve's default router does (power of
+two choices on queue length).
 """
 
 from __future__ import annotations
