@@ -4,8 +4,10 @@
 it runs once per forward pass, so layers never touch host lists or sync with the device.
 Sequences split into two groups:
 
-- *decode* sequences (one new token): all of them go through ONE padded SDPA call. Their
-  blocks are gathered into ``[Bd, L, kv_heads, D]`` with ``L`` the longest context, and a
+- *decode* sequences (one new token): all of them go through ONE call. With a native
+  decode kernel (``tokenmill.kernels``: the engine's default on CPU) that call reads the
+  blocks in place, each sequence over its own length. Without one it is a padded SDPA
+  call: the blocks are gathered into ``[Bd, L, kv_heads, D]`` with ``L`` the longest context, and a
   length mask hides each row's padding::
 
       row b:  | k_0 k_1 ... k_{len_b - 1} | padding (masked) |     L = max(len_b)
@@ -30,6 +32,7 @@ the KV cache must hold finite values everywhere (allocate it with ``torch.zeros`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -60,17 +63,22 @@ class AttentionPlan:
     decode_len: int  # L, the longest decode context
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, L] additive; None: all contexts are L long
     prefills: list[PrefillSeq]
+    # With a native decode kernel (then decode_block_ids and decode_mask stay None):
+    native_decode: Callable | None = None  # (q, k_cache, v_cache, tables, lens, scale)
+    decode_tables: torch.Tensor | None = None  # [Bd, nb] int32
+    decode_seq_lens: torch.Tensor | None = None  # [Bd] int32
 
 
-def plan_attention(md: AttentionMetadata, dtype: torch.dtype,
-                   num_cache_blocks: int) -> AttentionPlan:
+def plan_attention(md: AttentionMetadata, dtype: torch.dtype, num_cache_blocks: int,
+                   native_decode: Callable | None = None) -> AttentionPlan:
     """Index tensors and masks for one forward pass; ``dtype``: the model's (masks are
     additive, 0 where a key is visible and -inf elsewhere, the form SDPA uses natively);
-    ``num_cache_blocks``: the blocks of each layer's cache tensor."""
+    ``num_cache_blocks``: the blocks of each layer's cache tensor; ``native_decode``: the
+    decode kernel of ``tokenmill.kernels``, or None for SDPA."""
     device = md.slot_mapping.device
     bs = md.block_size
     decode_rows = [i for i, q in enumerate(md.query_lens) if q == 1]
-    decode_blocks = decode_idx = decode_mask = None
+    decode_blocks = decode_idx = decode_mask = decode_tables = decode_seq_lens = None
     decode_len = 0
     if decode_rows:
         lens = [md.seq_lens[i] for i in decode_rows]
@@ -84,7 +92,11 @@ def plan_attention(md: AttentionMetadata, dtype: torch.dtype,
             decode_idx = torch.tensor(
                 [md.query_start_loc[i] for i in decode_rows], dtype=torch.long, device=device
             )
-        if min(lens) != decode_len:
+        if native_decode is not None:
+            decode_tables = decode_blocks.to(torch.int32)
+            decode_seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+            decode_blocks = None
+        elif min(lens) != decode_len:
             lens_t = torch.tensor(lens, dtype=torch.long, device=device)
             keys = torch.arange(decode_len, device=device)
             visible = (keys[None, :] < lens_t[:, None]).view(len(lens), 1, 1, decode_len)
@@ -100,6 +112,9 @@ def plan_attention(md: AttentionMetadata, dtype: torch.dtype,
         decode_len=decode_len,
         decode_mask=decode_mask,
         prefills=prefills,
+        native_decode=native_decode if decode_rows else None,
+        decode_tables=decode_tables,
+        decode_seq_lens=decode_seq_lens,
     )
 
 
@@ -156,7 +171,7 @@ def paged_attention(
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, v)
 
     decode_out = None
-    if plan.decode_block_ids is not None:
+    if plan.decode_block_ids is not None or plan.native_decode is not None:
         decode_q = q if plan.decode_token_idx is None else q[plan.decode_token_idx]
         decode_out = _decode_attention(decode_q, kv_cache, plan, scale)
         if plan.decode_token_idx is None:
@@ -175,9 +190,13 @@ def paged_attention(
 def _decode_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan, scale: float
 ) -> torch.Tensor:
-    """One padded SDPA call for every single-token sequence: ``q [Bd, heads, D]`` ->
-    ``[Bd, heads * D]``."""
+    """One call for every single-token sequence: ``q [Bd, heads, D]`` -> ``[Bd, heads * D]``
+    (the native kernel over the blocks in place, else padded SDPA over gathered blocks)."""
     num_seqs, num_heads, head_dim = q.shape
+    if plan.native_decode is not None:
+        out = plan.native_decode(q, kv_cache[0], kv_cache[1], plan.decode_tables,
+                                 plan.decode_seq_lens, scale)
+        return out.view(num_seqs, num_heads * head_dim)
     num_kv_heads = kv_cache.shape[3]
     # [2, Bd * nb, bs * kvh * D] -> [2, Bd, nb * bs, kvh, D] -> k, v as [Bd, kvh, L, D] views
     kv = _gather_blocks(kv_cache, plan.decode_block_ids)

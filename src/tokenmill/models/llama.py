@@ -11,7 +11,7 @@ projections, filled shard by shard by ``load_weights``::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -125,6 +125,9 @@ class LlamaForCausalLM(nn.Module):
             else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
         )
         self.packed_tied_head: OneDNNWeight | Int8Weight | None = None
+        # The decode attention kernel of ``tokenmill.kernels`` (set by the engine's
+        # builder); None: PyTorch's SDPA.
+        self.native_decode: Callable | None = None
         q = config.num_attention_heads * config.head_dim
         kv = config.num_key_value_heads * config.head_dim
         inter = config.intermediate_size
@@ -150,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
         """
         assert len(kv_caches) == len(self.model.layers), "one KV cache tensor per layer"
         plan = plan_attention(attn_metadata, self.model.embed_tokens.weight.dtype,
-                              kv_caches[0].shape[1])
+                              kv_caches[0].shape[1], self.native_decode)
         cos, sin = self.model.rotary_emb.cos_sin(positions)
         h = self.model.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):

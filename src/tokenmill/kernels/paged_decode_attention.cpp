@@ -1,0 +1,162 @@
+// Decode attention over the paged KV cache, read in place (no gather, no padding).
+//
+// out[b, h, :] = softmax(scale * q[b, h] . K[b, :len_b, h / G]) @ V[b, :len_b, h / G]
+//
+// where K/V rows of sequence b live in the cache blocks block_tables[b, :] (token t in
+// block block_tables[b, t / block_size] at offset t % block_size), and G = heads / kv_heads
+// query heads share one KV head. Each task (a sequence, or one KV head of it) reads its
+// keys and values once for all the query heads that use them. Arithmetic is float32
+// whatever the storage dtype; softmax is exact (max subtracted), never over padding.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float to_float(T x) {
+  return static_cast<float>(x);
+}
+
+template <>
+inline float to_float<at::BFloat16>(at::BFloat16 x) {
+  // bfloat16 is the top half of a float32: widening is a shift (vectorizes).
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename T>
+inline void widen(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+template <typename T>
+void decode_attention_kernel(const at::Tensor& q, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t block_stride = key_cache.stride(0), token_stride = key_cache.stride(1);
+  const int64_t table_stride = block_tables.stride(0);
+  const int64_t q_seq_stride = q.stride(0), q_head_stride = q.stride(1);
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = key_cache.data_ptr<T>();
+  const T* v_ptr = value_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  T* out_ptr = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+  // A task is a sequence's KV heads [kv_begin, kv_end): all of them when there are enough
+  // sequences to keep every thread busy (each token's keys are then one contiguous read),
+  // else one, so that a few long sequences still spread over the threads.
+  const int64_t heads_per_task =
+      num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t tasks_per_seq = num_kv_heads / heads_per_task;
+
+  at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim),
+        row(num_kv_heads * head_dim), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / tasks_per_seq;
+      const int64_t kv_begin = (task % tasks_per_seq) * heads_per_task;
+      const int64_t kv_end = kv_begin + heads_per_task;
+      const int64_t h_begin = kv_begin * group, h_end = kv_end * group;
+      const int64_t width = heads_per_task * head_dim;  // floats of one token's K or V row
+      const int64_t len = lens[b];
+      const int32_t* table = tables + b * table_stride;
+      for (int64_t h = h_begin; h < h_end; ++h) {
+        const T* q_head = q_ptr + b * q_seq_stride + h * q_head_stride;
+        for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = to_float(q_head[d]) * fscale;
+      }
+      scores.resize(num_heads * len);
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t offset = table[t / block_size] * block_stride +
+                               (t % block_size) * token_stride + kv_begin * head_dim;
+        widen(k_ptr + offset, row.data(), width);
+        for (int64_t h = h_begin; h < h_end; ++h) {
+          const float* qh = qf.data() + h * head_dim;
+          const float* key = row.data() + (h / group - kv_begin) * head_dim;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * key[d];
+          scores[h * len + t] = dot;
+        }
+      }
+      for (int64_t h = h_begin; h < h_end; ++h) {
+        float* s = scores.data() + h * len;
+        const float peak = *std::max_element(s, s + len);
+        float total = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          s[t] = std::exp(s[t] - peak);
+          total += s[t];
+        }
+        const float inv = 1.f / total;
+        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+      }
+      std::fill(acc.begin() + h_begin * head_dim, acc.begin() + h_end * head_dim, 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t offset = table[t / block_size] * block_stride +
+                               (t % block_size) * token_stride + kv_begin * head_dim;
+        widen(v_ptr + offset, row.data(), width);
+        for (int64_t h = h_begin; h < h_end; ++h) {
+          const float w = scores[h * len + t];
+          const float* value = row.data() + (h / group - kv_begin) * head_dim;
+          float* a = acc.data() + h * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += w * value[d];
+        }
+      }
+      T* out_seq = out_ptr + b * num_heads * head_dim;
+      for (int64_t i = h_begin * head_dim; i < h_end * head_dim; ++i) {
+        out_seq[i] = static_cast<T>(acc[i]);
+      }
+    }
+  });
+}
+
+// q [B, H, D] (rows of D contiguous); key_cache/value_cache [num_blocks, block_size,
+// kv_heads, D] (contiguous);
+// block_tables [B, max_blocks] int32; seq_lens [B] int32 (each >= 1) -> [B, H, D].
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
+                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4, "q [B, H, D], cache [N, bs, kvh, D]");
+  TORCH_CHECK(q.stride(2) == 1 && key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "q's last dimension and the caches must be contiguous");
+  TORCH_CHECK(key_cache.scalar_type() == q.scalar_type() &&
+                  value_cache.scalar_type() == q.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  TORCH_CHECK(block_tables.stride(1) == 1 && seq_lens.is_contiguous(),
+              "block_tables rows and seq_lens must be contiguous");
+  TORCH_CHECK(q.size(1) % key_cache.size(2) == 0 && q.size(2) == key_cache.size(3),
+              "heads must be a multiple of kv_heads, head dims equal");
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(),
+                                  "paged_decode_attention", [&] {
+                                    decode_attention_kernel<scalar_t>(q, key_cache, value_cache,
+                                                                      block_tables, seq_lens,
+                                                                      scale, out);
+                                  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenmill, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
