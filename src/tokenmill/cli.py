@@ -23,8 +23,8 @@ _ENGINE_HELP = {
     "quantization": "none (default) or int8: int8 weights, bfloat16 activations (CPU)",
     "device": "auto (CUDA when present), cpu or cuda[:N]",
     "num_threads": "the engine's compute threads (default: every core)",
-    "attention_backend": "decode attention: auto (the native kernel on CPU where it builds), "
-                         "native or sdpa (PyTorch's)",
+    "kernels": "auto (native CPU kernels for attention, norms, rotary and SiLU where they "
+               "build), native or torch",
     "max_model_len": "longest prompt + output in tokens (default: the model's, at most 8192)",
     "block_size": "tokens per KV-cache block",
     "num_kv_blocks": "KV-cache blocks (overrides --kv-cache-memory)",
@@ -57,7 +57,7 @@ API_KEY_ENV = "TOKENMILL_API_KEY"
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     for name, help_text in _ENGINE_HELP.items():
-        kind = str if name in ("dtype", "quantization", "attention_backend", "device",
+        kind = str if name in ("dtype", "quantization", "kernels", "device",
                                  "kv_cache_memory") else int
         group.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help_text)
     for name in _BOOL_OPTIONS:

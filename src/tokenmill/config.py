@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from tokenmill.sampling_params import InvalidParameterError
 
 QUANTIZATION_CHOICES = ("none", "int8")
-ATTENTION_BACKENDS = ("auto", "native", "sdpa")
+KERNEL_CHOICES = ("auto", "native", "torch")
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
                "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
@@ -35,7 +35,7 @@ class EngineConfig:
     quantization: str = "none"  # "none" or "int8"
     device: str = "auto"
     num_threads: int | None = None  # compute threads; None: PyTorch's default (every core)
-    attention_backend: str = "auto"  # decode attention: native kernel (CPU) or sdpa
+    kernels: str = "auto"  # "native" (CPU), "torch", or "auto": native where they build
     max_model_len: int | None = None  # None: the model's context length, capped at 8192
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
@@ -75,10 +75,10 @@ class EngineConfig:
             raise InvalidParameterError(
                 f"unknown quantization {self.quantization!r} (choose one of: "
                 f"{', '.join(QUANTIZATION_CHOICES)})", "quantization")
-        if self.attention_backend not in ATTENTION_BACKENDS:
+        if self.kernels not in KERNEL_CHOICES:
             raise InvalidParameterError(
-                f"unknown attention_backend {self.attention_backend!r} (choose one of: "
-                f"{', '.join(ATTENTION_BACKENDS)})", "attention_backend")
+                f"unknown kernels {self.kernels!r} (choose one of: "
+                f"{', '.join(KERNEL_CHOICES)})", "kernels")
         positive("speculative_disable_by_batch_size", self.speculative_disable_by_batch_size)
         positive("ngram_min", self.ngram_min)
         positive("ngram_max", self.ngram_max)

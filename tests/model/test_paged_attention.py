@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from tokenmill.kernels import paged_decode_attention
+from tokenmill.kernels import native_ops
 from tokenmill.models.attention import paged_attention, plan_attention
 from tokenmill.models.attention_metadata import AttentionMetadata
 
@@ -69,10 +69,10 @@ CASES = {
 
 
 def native_kernel():
-    op = paged_decode_attention()
-    if op is None:
-        pytest.skip("the native attention kernel cannot be built here (no C++ compiler?)")
-    return op
+    ops = native_ops()
+    if ops is None:
+        pytest.skip("the native kernels cannot be built here (no C++ compiler?)")
+    return ops.paged_decode_attention
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "native"])

@@ -12,7 +12,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.engine_core import EngineCore
 from tokenmill.core.model_runner import ModelRunner
 from tokenmill.frontend.processor import InputProcessor
-from tokenmill.kernels import choose_decode_attention
+from tokenmill.kernels import choose_kernels
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.loader import load_model, model_name_for
 from tokenmill.platform import pick_device, resolve_dtype
@@ -47,7 +47,7 @@ def build_engine(config: EngineConfig) -> Engine:
     dtype = (torch.bfloat16 if config.quantization == "int8" and config.dtype == "auto"
              else resolve_dtype(config.dtype, device))
     model, model_config = load_model(config.model, dtype, device, config.quantization)
-    model.native_decode = choose_decode_attention(config.attention_backend, device)
+    model.use_native_ops(choose_kernels(config.kernels, device))
     tokenizer = load_tokenizer(config.model)
     max_model_len = _max_model_len(config, model_config)
     num_blocks = _num_kv_blocks(config, model_config, dtype, max_model_len)
@@ -55,10 +55,10 @@ def build_engine(config: EngineConfig) -> Engine:
     core = EngineCore(config, runner, num_blocks, max_model_len)
     vocab_size = min(model_config.vocab_size, tokenizer.vocab_size)
     processor = InputProcessor(tokenizer, max_model_len, vocab_size)
-    logger.info("model %s on %s (%s, quantization %s, attention %s): %d KV blocks of %d "
+    logger.info("model %s on %s (%s, quantization %s, kernels %s): %d KV blocks of %d "
                 "tokens, max_model_len %d", model_name_for(config.model), device,
                 str(dtype).removeprefix("torch."), config.quantization,
-                "native" if model.native_decode else "sdpa", num_blocks,
+                "native" if model.native_ops else "torch", num_blocks,
                 config.block_size, max_model_len)
     return Engine(config, core, tokenizer, processor, model_config, model_name_for(config.model),
                   max_model_len, device, dtype)

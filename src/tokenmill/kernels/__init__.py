@@ -1,12 +1,12 @@
 """Native CPU kernels of the engine, compiled on first use for the host's CPU.
 
-``paged_decode_attention()`` returns ``torch.ops.tokenmill.paged_decode_attention`` (see
-``paged_decode_attention.cpp``), building it once with the host's C++ compiler and
-``ninja``, or ``None`` where it cannot be built: the caller then keeps its pure PyTorch
-path. ``choose_decode_attention`` applies the engine's ``attention_backend`` option.
+``native_ops()`` builds ``paged_decode_attention.cpp`` and ``fused_layers.cpp`` once with
+the host's C++ compiler and ``ninja`` and returns their ``torch.ops.tokenmill`` ops as a
+``NativeOps``, or ``None`` where they cannot be built: the model then keeps its pure
+PyTorch path. ``choose_kernels`` applies the engine's ``kernels`` option.
 
 The build is tuned for the CPU it runs on (``-march=native``), so its cache entry is
-named after the source, the compiler flags, PyTorch's version and the CPU's feature
+named after the sources, the compiler flags, PyTorch's version and the CPU's feature
 flags: a cache shared by different hosts never hands one the other's code.
 """
 
@@ -18,6 +18,7 @@ import logging
 import os
 import platform as host_platform
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,47 +27,59 @@ from tokenmill.platform import cpu_flags
 from tokenmill.sampling_params import InvalidParameterError
 
 logger = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("paged_decode_attention.cpp", "fused_layers.cpp"))
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 
 
+@dataclass(frozen=True, slots=True)
+class NativeOps:
+    """The compiled ops (signatures in the ``.cpp`` files)."""
+
+    paged_decode_attention: Callable
+    rms_norm: Callable
+    silu_and_mul: Callable
+    rotary_store_kv: Callable
+
+
 @functools.cache
-def paged_decode_attention() -> Callable | None:
-    """The compiled op, or ``None`` when it cannot be built here (the reason is logged)."""
+def native_ops() -> NativeOps | None:
+    """The compiled ops, or ``None`` when they cannot be built here (the reason is logged)."""
     if host_platform.system() != "Linux":
         return None
     from torch.utils import cpp_extension
 
     _put_ninja_on_path()
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(CFLAGS).encode(), torch.__version__.encode(),
-                                     " ".join(sorted(cpu_flags())).encode()])).hexdigest()[:16]
+    parts = [source.read_bytes() for source in SOURCES]
+    parts += [" ".join(CFLAGS).encode(), torch.__version__.encode(),
+              " ".join(sorted(cpu_flags())).encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     try:
-        cpp_extension.load(name=f"tokenmill_kernels_{key}", sources=[str(SOURCE)],
+        cpp_extension.load(name=f"tokenmill_kernels_{key}", sources=[str(s) for s in SOURCES],
                            extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
                            is_python_module=False, verbose=False)
     except (OSError, RuntimeError, ImportError) as error:
-        logger.warning("native CPU attention unavailable, using PyTorch's SDPA: %s",
+        logger.warning("native CPU kernels unavailable, using PyTorch's: %s",
                        str(error).splitlines()[0] if str(error) else type(error).__name__)
         return None
-    return torch.ops.tokenmill.paged_decode_attention
+    ops = torch.ops.tokenmill
+    return NativeOps(ops.paged_decode_attention, ops.rms_norm, ops.silu_and_mul,
+                     ops.rotary_store_kv)
 
 
-def choose_decode_attention(backend: str, device: torch.device) -> Callable | None:
-    """The decode kernel for ``attention_backend`` (``auto | native | sdpa``) on ``device``:
-    ``auto`` takes the native kernel on a CPU where it builds, else SDPA (``None``).
+def choose_kernels(choice: str, device: torch.device) -> NativeOps | None:
+    """The native ops for the ``kernels`` option (``auto | native | torch``) on ``device``:
+    ``auto`` takes them on a CPU where they build, else PyTorch's (``None``).
     Raises ``InvalidParameterError`` when ``native`` is asked for and cannot run."""
-    if backend == "sdpa" or (backend == "auto" and device.type != "cpu"):
+    if choice == "torch" or (choice == "auto" and device.type != "cpu"):
         return None
     if device.type != "cpu":
-        raise InvalidParameterError("attention_backend native runs on the CPU only",
-                                    "attention_backend")
-    op = paged_decode_attention()
-    if op is None and backend == "native":
-        raise InvalidParameterError("the native attention kernel could not be built on this "
-                                    "host (see the log); use attention_backend sdpa",
-                                    "attention_backend")
-    return op
+        raise InvalidParameterError("kernels native runs on the CPU only", "kernels")
+    ops = native_ops()
+    if ops is None and choice == "native":
+        raise InvalidParameterError("the native kernels could not be built on this host (see "
+                                    "the log); use kernels torch", "kernels")
+    return ops
 
 
 def _put_ninja_on_path() -> None:

@@ -165,11 +165,22 @@ def paged_attention(
     ``kv_cache`` is one layer's ``[2, num_blocks, block_size, kv_heads, D]``; returns
     ``[T, heads * D]``.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
+    num_kv_heads, head_dim = k.shape[1:]
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, k)
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, v)
+    return attend(q, k, v, kv_cache, plan, scale)
 
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+) -> torch.Tensor:
+    """``paged_attention`` after the new keys and values are in ``kv_cache`` already."""
+    num_tokens, num_heads, head_dim = q.shape
     decode_out = None
     if plan.decode_block_ids is not None or plan.native_decode is not None:
         decode_q = q if plan.decode_token_idx is None else q[plan.decode_token_idx]

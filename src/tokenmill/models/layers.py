@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels import NativeOps
 from tokenmill.models.weight_formats import Int8Weight, OneDNNWeight, WeightFormat
 
 
@@ -59,15 +60,20 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension, computed in float32."""
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension, computed in float32.
+
+    ``native``: the engine's compiled ops (``tokenmill.kernels``), or None for PyTorch's."""
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device))
         self.eps = eps
         self.shape = (hidden_size,)
+        self.native: NativeOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.shape, self.weight, self.eps)
 
 
@@ -155,7 +161,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class GatedMLP(nn.Module):
     """``residual + down(silu(gate(x)) * up(x))`` with gate and up fused in one ``[2I, H]``
-    projection."""
+    projection. ``native``: as ``RMSNorm``'s."""
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: torch.device
@@ -163,7 +169,11 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, dtype, device)
         self.down_proj = Linear(intermediate_size, hidden_size, False, dtype, device)
+        self.native: NativeOps | None = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.native is not None:
+            return self.down_proj.forward_add(self.native.silu_and_mul(gate_up), residual)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj.forward_add(F.silu(gate) * up, residual)

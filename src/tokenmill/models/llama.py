@@ -11,13 +11,14 @@ projections, filled shard by shard by ``load_weights``::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.models.attention import AttentionPlan, paged_attention, plan_attention
+from tokenmill.kernels import NativeOps
+from tokenmill.models.attention import AttentionPlan, attend, paged_attention, plan_attention
 from tokenmill.models.attention_metadata import AttentionMetadata
 from tokenmill.models.config import ModelConfig, ModelLoadError
 from tokenmill.models.layers import (
@@ -54,6 +55,7 @@ class LlamaAttention(nn.Module):
             cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype, device
         )
         self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, device)
+        self.native: NativeOps | None = None  # rotary + KV store in one pass when set
 
     def forward(
         self,
@@ -68,6 +70,13 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         qk_size = self.q_size + self.kv_size
+        if self.native is not None:
+            self.native.rotary_store_kv(qkv, cos[:, 0], sin[:, 0], kv_cache[0], kv_cache[1],
+                                        plan.slot_mapping, self.num_heads, self.num_kv_heads)
+            q, k, v = (qkv[:, lo:hi].view(num_tokens, -1, self.head_dim) for lo, hi in
+                       ((0, self.q_size), (self.q_size, qk_size), (qk_size, qkv.shape[1])))
+            attn = attend(q, k, v, kv_cache, plan, self.scale)
+            return self.o_proj.forward_add(attn, residual)
         # q and k rotated together: [T, heads + kv_heads, D]
         qk = apply_rotary(qkv[:, :qk_size].view(num_tokens, -1, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -125,9 +134,7 @@ class LlamaForCausalLM(nn.Module):
             else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
         )
         self.packed_tied_head: OneDNNWeight | Int8Weight | None = None
-        # The decode attention kernel of ``tokenmill.kernels`` (set by the engine's
-        # builder); None: PyTorch's SDPA.
-        self.native_decode: Callable | None = None
+        self.native_ops: NativeOps | None = None  # see ``use_native_ops``
         q = config.num_attention_heads * config.head_dim
         kv = config.num_key_value_heads * config.head_dim
         inter = config.intermediate_size
@@ -153,12 +160,21 @@ class LlamaForCausalLM(nn.Module):
         """
         assert len(kv_caches) == len(self.model.layers), "one KV cache tensor per layer"
         plan = plan_attention(attn_metadata, self.model.embed_tokens.weight.dtype,
-                              kv_caches[0].shape[1], self.native_decode)
+                              kv_caches[0].shape[1],
+                              self.native_ops and self.native_ops.paged_decode_attention)
         cos, sin = self.model.rotary_emb.cos_sin(positions)
         h = self.model.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             h = layer(h, cos, sin, kv_cache, plan)
         return self.model.norm(h)
+
+    def use_native_ops(self, ops: NativeOps | None) -> None:
+        """Compute attention, norms, rotary and the SiLU gate with ``tokenmill.kernels``'
+        compiled ops (None: PyTorch's own, the default)."""
+        self.native_ops = ops
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, GatedMLP, LlamaAttention)):
+                module.native = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[N, V]`` for the hidden rows ``[N, H]`` to sample from."""

@@ -1,0 +1,81 @@
+"""The native fused layer ops (``tokenmill.kernels``) against the PyTorch forms they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.kernels import native_ops
+from tokenmill.models.layers import RotaryEmbedding, apply_rotary
+
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+# float32: the same formula, summed in another order; 16-bit: one rounding instead of
+# one per PyTorch op.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+DTYPES = list(TOLERANCE)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    built = native_ops()
+    if built is None:
+        pytest.skip("the native kernels cannot be built here (no C++ compiler?)")
+    return built
+
+
+def close(actual, expected, dtype):
+    torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_pytorch(ops, dtype):
+    x = torch.randn(37, 96).to(dtype)
+    weight = torch.randn(96).to(dtype)
+    close(ops.rms_norm(x, weight, 1e-5), F.rms_norm(x, (96,), weight, 1e-5), dtype)
+    rows = x[::2]  # strided rows are read in place
+    close(ops.rms_norm(rows, weight, 1e-5), F.rms_norm(rows, (96,), weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_pytorch(ops, dtype):
+    gate_up = (torch.randn(37, 2 * 80) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    close(ops.silu_and_mul(gate_up), F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_store_kv_rotates_q_and_k_and_stores_k_and_v(ops, dtype):
+    tokens, num_blocks, block_size = 21, 16, 4
+    rope = RotaryEmbedding(HEAD_DIM, 256, 10000.0, None, dtype, torch.device("cpu"))
+    cos, sin = rope.cos_sin(torch.randint(0, 256, (tokens,)))
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM).to(dtype)
+    qk_width = (HEADS + KV_HEADS) * HEAD_DIM
+    expected = apply_rotary(qkv[:, :qk_width].view(tokens, -1, HEAD_DIM), cos, sin)
+    keys = torch.zeros(num_blocks, block_size, KV_HEADS, HEAD_DIM, dtype=dtype)
+    values = torch.zeros_like(keys)
+    slots = torch.randperm(num_blocks * block_size)[:tokens]
+    rotated = qkv.clone()
+    ops.rotary_store_kv(rotated, cos[:, 0], sin[:, 0], keys, values, slots, HEADS, KV_HEADS)
+
+    close(rotated[:, :qk_width].view(tokens, -1, HEAD_DIM), expected, dtype)
+    assert torch.equal(rotated[:, qk_width:], qkv[:, qk_width:])  # v is not rotated
+    assert torch.equal(keys.view(-1, KV_HEADS * HEAD_DIM)[slots],
+                       rotated[:, HEADS * HEAD_DIM:qk_width])
+    assert torch.equal(values.view(-1, KV_HEADS * HEAD_DIM)[slots], qkv[:, qk_width:])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots] = False
+    assert not keys.view(num_blocks * block_size, -1)[untouched].any()
+
+
+def test_fused_ops_reject_mismatched_input(ops):
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-5)
+    with pytest.raises(RuntimeError, match="2 \\* I"):
+        ops.silu_and_mul(torch.randn(2, 7))
+    cache = torch.zeros(4, 4, KV_HEADS, HEAD_DIM)
+    with pytest.raises(RuntimeError, match="slot_mapping"):
+        ops.rotary_store_kv(torch.randn(1, (HEADS + 2 * KV_HEADS) * HEAD_DIM),
+                            torch.ones(1, HEAD_DIM), torch.ones(1, HEAD_DIM), cache, cache,
+                            torch.zeros(1, dtype=torch.int32), HEADS, KV_HEADS)
