@@ -95,7 +95,8 @@ def instrument_engine(timers: Timers) -> None:
     timers.wrap(layers.Linear, "forward", "matmuls")
     timers.wrap(layers.Linear, "forward_add", "matmuls")
     timers.wrap(llama.LlamaForCausalLM, "compute_logits", "lm_head")
-    timers.wrap(llama, "paged_attention", "attention")
+    timers.wrap(llama, "paged_attention", "attention")  # PyTorch kernels: store + attend
+    timers.wrap(llama, "attend", "attention")  # native kernels: the store is in rotary's op
     timers.wrap(llama.LlamaForCausalLM, "forward", "forward")
     timers.wrap(Sampler, "__call__", "sampling")
     schedule = Scheduler.schedule

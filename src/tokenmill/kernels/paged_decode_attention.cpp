@@ -31,6 +31,18 @@ inline float to_float<at::BFloat16>(at::BFloat16 x) {
   return f;
 }
 
+// Tokens ahead whose rows are requested before use: blocks lie anywhere in the cache, so
+// the hardware prefetcher cannot guess the next block.
+constexpr int64_t kPrefetchAhead = 4;
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t n) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) {
+    __builtin_prefetch(bytes + i);
+  }
+}
+
 template <typename T>
 inline void widen(const T* src, float* dst, int64_t n) {
 #pragma omp simd
@@ -64,6 +76,7 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& key_cache,
   at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim),
         row(num_kv_heads * head_dim), scores;
+    std::vector<int64_t> offsets;  // each token's row in either cache
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / tasks_per_seq;
       const int64_t kv_begin = (task % tasks_per_seq) * heads_per_task;
@@ -77,10 +90,16 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& key_cache,
         for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = to_float(q_head[d]) * fscale;
       }
       scores.resize(num_heads * len);
+      offsets.resize(len);
+      for (int64_t t = 0, block = 0; t < len; ++block) {
+        const int64_t base = table[block] * block_stride + kv_begin * head_dim;
+        for (int64_t i = 0; i < block_size && t < len; ++i, ++t) {
+          offsets[t] = base + i * token_stride;
+        }
+      }
       for (int64_t t = 0; t < len; ++t) {
-        const int64_t offset = table[t / block_size] * block_stride +
-                               (t % block_size) * token_stride + kv_begin * head_dim;
-        widen(k_ptr + offset, row.data(), width);
+        if (t + kPrefetchAhead < len) prefetch_row(k_ptr + offsets[t + kPrefetchAhead], width);
+        widen(k_ptr + offsets[t], row.data(), width);
         for (int64_t h = h_begin; h < h_end; ++h) {
           const float* qh = qf.data() + h * head_dim;
           const float* key = row.data() + (h / group - kv_begin) * head_dim;
@@ -103,9 +122,8 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& key_cache,
       }
       std::fill(acc.begin() + h_begin * head_dim, acc.begin() + h_end * head_dim, 0.f);
       for (int64_t t = 0; t < len; ++t) {
-        const int64_t offset = table[t / block_size] * block_stride +
-                               (t % block_size) * token_stride + kv_begin * head_dim;
-        widen(v_ptr + offset, row.data(), width);
+        if (t + kPrefetchAhead < len) prefetch_row(v_ptr + offsets[t + kPrefetchAhead], width);
+        widen(v_ptr + offsets[t], row.data(), width);
         for (int64_t h = h_begin; h < h_end; ++h) {
           const float w = scores[h * len + t];
           const float* value = row.data() + (h / group - kv_begin) * head_dim;
