@@ -20,7 +20,8 @@ from tokenmill.server.limits import RequestLimits
 
 _ENGINE_HELP = {
     "dtype": "auto (bf16 where the hardware has it), float32, bfloat16 or float16",
-    "quantization": "none (default) or int8: int8 weights, bfloat16 activations (CPU)",
+    "quantization": "none (default); int8 or int4 (GGUF Q4_1's layout): quantized weights, "
+                    "bfloat16 activations (CPU)",
     "device": "auto (CUDA when present), cpu or cuda[:N]",
     "num_threads": "the engine's compute threads (default: every core)",
     "kernels": "auto (native CPU kernels for attention, norms, rotary and SiLU where they "

@@ -19,6 +19,7 @@ from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import load_model
 from tokenmill.models.perplexity import perplexity
 from tokenmill.models.weight_formats import (
+    Int4Weight,
     Int8Weight,
     OneDNNWeight,
     choose_weight_format,
@@ -91,6 +92,41 @@ def test_int8_weights_match_bf16_within_quantization_error(tiny_model_dir, varia
     torch.testing.assert_close(got, reference, atol=0.15, rtol=0.05)
 
 
+@pytest.mark.parametrize("variant", ["llama", "llama_untied", "qwen2"])
+def test_int4_weights_match_bf16_within_quantization_error(tiny_model_dir, variant):
+    model_dir = tiny_model_dir(variant)
+    quantized, _ = load_model(model_dir, BF16, CPU, "int4")
+    assert packed_formats(quantized) == {Int4Weight, Int8Weight}  # the head keeps 8 bits
+    got = mixed_batch_logits(quantized).float()
+    reference = mixed_batch_logits(unpacked_model(model_dir, torch.float32))
+    # 4 bits on random weights: a coarse bound, far below what a wrong kernel gives
+    torch.testing.assert_close(got, reference, atol=0.8, rtol=0.1)
+
+
+def test_int4_recovers_the_4_bit_values_of_q4_1_blocks():
+    """Weights dequantized from GGUF Q4_1 blocks (fp16 scale d and minimum m per 32 inputs,
+    w = d * q + m) come back as the same q: only d and m are rounded to bfloat16."""
+    gen = torch.Generator().manual_seed(0)
+    out_features, in_features = 48, 96
+    groups = in_features // Int4Weight.GROUP
+    q = torch.randint(0, 16, (out_features, groups, Int4Weight.GROUP), generator=gen)
+    q[..., 0], q[..., 1] = 0, 15  # a Q4_1 block maps its minimum to 0 and maximum to 15
+    d = (torch.rand(out_features, groups, 1, generator=gen) * 0.02 + 0.001).half().float()
+    # a block's minimum is about -7.5 steps: its weights straddle 0
+    m = (-7.5 * d + torch.randn(out_features, groups, 1, generator=gen) * d).half().float()
+    weight = (d * q + m).view(out_features, in_features)
+    dequantized = Int4Weight(weight, None)(torch.eye(in_features, dtype=BF16)).float().t()
+    step = d.expand(-1, -1, Int4Weight.GROUP).reshape(out_features, in_features)
+    assert ((dequantized - weight).abs() / step).max() < 0.1  # bfloat16 rounding, not a step
+
+
+def test_int4_rejects_shapes_its_kernel_cannot_pack():
+    with pytest.raises(InvalidParameterError, match="use int8"):
+        Int4Weight(torch.zeros(16, 48), None)  # 48 inputs: not a multiple of 32
+    with pytest.raises(InvalidParameterError, match="use int8"):
+        Int4Weight(torch.zeros(24, 64), None)  # 24 outputs: not a multiple of 16
+
+
 def test_without_onednn_support_weights_stay_plain(tiny_model_dir, monkeypatch):
     """An AVX2-only host cannot reorder bfloat16 for oneDNN: the model must still load."""
     monkeypatch.setattr(weight_formats, "onednn_supports", lambda dtype: False)
@@ -105,19 +141,23 @@ def test_without_onednn_support_weights_stay_plain(tiny_model_dir, monkeypatch):
     (torch.float16, CPU, "computes in bfloat16"),
     (BF16, torch.device("cuda"), "CPU only"),
 ])
-def test_int8_rejects_what_it_cannot_run(dtype, device, message):
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantization_rejects_what_it_cannot_run(dtype, device, message, quantization):
     with pytest.raises(InvalidParameterError, match=message) as info:
-        choose_weight_format(dtype, device, "int8")
+        choose_weight_format(dtype, device, quantization)
     assert info.value.param == "quantization"
 
 
 @pytest.mark.slow
-def test_int8_perplexity_of_smollm2_within_two_percent():
-    """The accuracy int8 costs, bounded: the embedded model on a fixed public-domain text."""
+def test_quantized_perplexity_of_smollm2_within_two_percent():
+    """The accuracy int8 and int4 cost, bounded: the embedded model on a fixed
+    public-domain text."""
     with open(TEXT, encoding="utf-8") as f:
         token_ids = load_tokenizer(None).encode(f.read())
     assert len(token_ids) > 500
     exact = perplexity(load_model(None, torch.float32, CPU)[0], token_ids)
-    quantized = perplexity(load_model(None, BF16, CPU, "int8")[0], token_ids)
     assert 5 < exact < 20  # the model reads English: a sanity bound on the measure itself
-    assert quantized <= exact * 1.02, f"int8 perplexity {quantized:.3f} vs {exact:.3f}"
+    for quantization in ("int8", "int4"):
+        quantized = perplexity(load_model(None, BF16, CPU, quantization)[0], token_ids)
+        assert quantized <= exact * 1.02, (
+            f"{quantization} perplexity {quantized:.3f} vs {exact:.3f}")

@@ -43,8 +43,8 @@ def build_engine(config: EngineConfig) -> Engine:
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     device = pick_device() if config.device == "auto" else torch.device(config.device)
-    # int8 weights multiply bfloat16 activations, so "auto" means bfloat16 with them
-    dtype = (torch.bfloat16 if config.quantization == "int8" and config.dtype == "auto"
+    # quantized weights multiply bfloat16 activations, so "auto" means bfloat16 with them
+    dtype = (torch.bfloat16 if config.quantization != "none" and config.dtype == "auto"
              else resolve_dtype(config.dtype, device))
     model, model_config = load_model(config.model, dtype, device, config.quantization)
     model.use_native_ops(choose_kernels(config.kernels, device))

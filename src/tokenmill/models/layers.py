@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels import NativeOps
-from tokenmill.models.weight_formats import Int8Weight, OneDNNWeight, WeightFormat
+from tokenmill.models.weight_formats import Int4Weight, Int8Weight, OneDNNWeight, WeightFormat
 
 
 class Linear(nn.Module):
@@ -41,7 +41,7 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         )
-        self.packed: OneDNNWeight | Int8Weight | None = None
+        self.packed: OneDNNWeight | Int8Weight | Int4Weight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

@@ -28,7 +28,13 @@ from tokenmill.models.layers import (
     RotaryEmbedding,
     apply_rotary,
 )
-from tokenmill.models.weight_formats import Int8Weight, OneDNNWeight, WeightFormat
+from tokenmill.models.weight_formats import (
+    Int4Weight,
+    Int8Weight,
+    OneDNNWeight,
+    WeightFormat,
+    head_format,
+)
 
 # Hugging Face projection name -> (our fused projection, shard index in it).
 PACKED_WEIGHTS = {
@@ -133,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
         )
-        self.packed_tied_head: OneDNNWeight | Int8Weight | None = None
+        self.packed_tied_head: OneDNNWeight | Int8Weight | Int4Weight | None = None
         self.native_ops: NativeOps | None = None  # see ``use_native_ops``
         q = config.num_attention_heads * config.head_dim
         kv = config.num_key_value_heads * config.head_dim
@@ -186,13 +192,13 @@ class LlamaForCausalLM(nn.Module):
 
     def pack(self, fmt: WeightFormat) -> None:
         """Convert every projection to the weight format ``fmt`` (see ``weight_formats``);
-        call once, after ``load_weights``. The tied output head gets a packed copy of the
-        embedding, which the token lookup still needs."""
+        call once, after ``load_weights``. The output head takes ``head_format(fmt)``; a tied
+        one gets a packed copy of the embedding, which the token lookup still needs."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack(fmt)
+                module.pack(head_format(fmt) if module is self.lm_head else fmt)
         if self.lm_head is None:
-            self.packed_tied_head = fmt(self.model.embed_tokens.weight.data, None)
+            self.packed_tied_head = head_format(fmt)(self.model.embed_tokens.weight.data, None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the parameters (cast to their dtype/device).

@@ -14,6 +14,12 @@ converts its plain ``[out, in]`` weight into it once:
   (weight-only: a quarter of float32's bytes to read per decode step). Activations stay
   in floating point because quantizing them too (dynamic int8, per tensor or per row)
   raised the embedded model's perplexity by 5 to 12%; weight-only int8 costs 0.2%.
+- ``Int4Weight``: ``--quantization int4``, CPU, bfloat16 activations. Weights are 4-bit
+  with a scale and a zero per 32 inputs (asymmetric: the group's minimum and maximum map
+  to 0 and 15), the layout of a GGUF file's Q4_1 blocks: from such a file's dequantized
+  weights it recovers the file's own 4-bit values, and only its fp16 scales and minimums
+  are rounded to bfloat16. An eighth of float32's bytes. The output head keeps
+  ``Int8Weight`` (a GGUF file stores it in 8 bits; 4 bits there cost accuracy).
 - ``None``: plain ``F.linear`` (CUDA, or no packed form for this dtype here).
 
 Every format computes ``x @ W.T + bias`` (``__call__``) and ``residual + x @ W.T + bias``
@@ -27,6 +33,8 @@ import functools
 import torch
 
 from tokenmill.sampling_params import InvalidParameterError
+
+BF16 = torch.bfloat16
 
 
 class OneDNNWeight:
@@ -61,7 +69,50 @@ class Int8Weight:
         return self(x).add_(residual)
 
 
-WeightFormat = type[OneDNNWeight] | type[Int8Weight]
+class Int4Weight:
+    """4-bit weights, asymmetric, one bfloat16 scale and zero per ``GROUP`` inputs of a row;
+    bfloat16 activations. Needs ``in % GROUP == 0`` and ``out % 16 == 0`` (the kernel's
+    packing)."""
+
+    GROUP = 32
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        out_features, in_features = weight.shape
+        if in_features % self.GROUP or out_features % 16:
+            raise InvalidParameterError(
+                f"--quantization int4 needs projections of a multiple of {self.GROUP} inputs "
+                f"and 16 outputs, this model has {in_features} -> {out_features}: use int8",
+                "quantization")
+        groups = weight.float().view(out_features, in_features // self.GROUP, self.GROUP)
+        low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+        # The kernel computes (q - 8) * scale + zero with bfloat16 scale and zero: round
+        # them first, then pick each q against the rounded pair, so the rounding of a zero
+        # far from 0 (a group of weights all of one sign) is made up for by q where it can.
+        scales = ((high - low) / 15).clamp_min(torch.finfo(BF16).tiny).to(BF16).float()
+        zeros = (low + 8 * scales).to(BF16).float()
+        values = ((groups - zeros) / scales + 8).round_().clamp_(0, 15).to(torch.int32)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            values.view(out_features, in_features), 2)
+        self.scales_and_zeros = torch.stack(
+            (scales.view(out_features, -1).t(), zeros.view(out_features, -1).t()),
+            dim=-1).contiguous().to(BF16)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.GROUP,
+                                                         self.scales_and_zeros)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self(x).add_(residual)
+
+
+WeightFormat = type[OneDNNWeight] | type[Int8Weight] | type[Int4Weight]
+
+
+def head_format(fmt: WeightFormat) -> WeightFormat:
+    """The format of the output head when the projections take ``fmt``."""
+    return Int8Weight if fmt is Int4Weight else fmt
 
 
 def choose_weight_format(dtype: torch.dtype, device: torch.device,
@@ -70,15 +121,15 @@ def choose_weight_format(dtype: torch.dtype, device: torch.device,
 
     Raises ``InvalidParameterError`` for a quantization this device or dtype cannot run.
     """
-    if quantization == "int8":
+    if quantization in ("int8", "int4"):
         if device.type != "cpu":
-            raise InvalidParameterError("--quantization int8 runs on the CPU only",
+            raise InvalidParameterError(f"--quantization {quantization} runs on the CPU only",
                                         "quantization")
         if dtype != torch.bfloat16:
             raise InvalidParameterError(
-                "--quantization int8 computes in bfloat16: use --dtype auto or bfloat16",
-                "quantization")
-        return Int8Weight
+                f"--quantization {quantization} computes in bfloat16: use --dtype auto or "
+                "bfloat16", "quantization")
+        return Int8Weight if quantization == "int8" else Int4Weight
     assert quantization == "none", "EngineConfig validates the name"
     if device.type == "cpu" and onednn_supports(dtype):
         return OneDNNWeight
