@@ -140,3 +140,24 @@ def test_native_decode_kernel_rejects_bad_input():
         op(q, cache[0], cache[1], tables.long(), lens, 1.0)
     with pytest.raises(RuntimeError, match="dtype"):
         op(q.double(), cache[0], cache[1], tables, lens, 1.0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 40])  # unrolled sizes and the generic loop
+def test_native_decode_kernel_for_each_head_size(head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    num_blocks, lens = 48, [1, 17, 40, 5]
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, KV_HEADS, head_dim, generator=gen)
+    tables = torch.randperm(num_blocks, generator=gen)[:4 * 10].view(4, 10)
+    q = torch.randn(4, HEADS, head_dim, generator=gen)
+    out = native_kernel()(q, cache[0], cache[1], tables.to(torch.int32),
+                          torch.tensor(lens, dtype=torch.int32), head_dim**-0.5)
+    for b, seq_len in enumerate(lens):
+        rows = torch.tensor([int(tables[b, t // BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE
+                             for t in range(seq_len)])
+        k, v = (cache[i].reshape(-1, KV_HEADS, head_dim)[rows] for i in (0, 1))
+        group = HEADS // KV_HEADS
+        scores = torch.einsum("hd,thd->ht", q[b].double(),
+                              k.double().repeat_interleave(group, dim=1)) * head_dim**-0.5
+        expected = torch.einsum("ht,thd->hd", scores.softmax(-1),
+                                v.double().repeat_interleave(group, dim=1))
+        torch.testing.assert_close(out[b].double(), expected, atol=1e-5, rtol=1e-5)

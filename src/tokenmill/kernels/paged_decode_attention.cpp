@@ -43,17 +43,17 @@ inline void prefetch_row(const T* row, int64_t n) {
   }
 }
 
-template <typename T>
-inline void widen(const T* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
-}
+constexpr int64_t kMaxHeadDim = 256;
 
-template <typename T>
+// HEAD_DIM > 0: the head size known at compile time (its loops unroll and the per-head
+// accumulators stay in registers); 0: read from the tensors (any size up to kMaxHeadDim).
+template <typename T, int64_t HEAD_DIM>
 void decode_attention_kernel(const at::Tensor& q, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, double scale, at::Tensor& out) {
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1);
+  const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : q.size(2);
+  constexpr int64_t kBuffer = HEAD_DIM > 0 ? HEAD_DIM : kMaxHeadDim;
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t block_stride = key_cache.stride(0), token_stride = key_cache.stride(1);
@@ -67,28 +67,22 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& key_cache,
   T* out_ptr = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
   // A task is a sequence's KV heads [kv_begin, kv_end): all of them when there are enough
-  // sequences to keep every thread busy (each token's keys are then one contiguous read),
-  // else one, so that a few long sequences still spread over the threads.
+  // sequences to keep every thread busy, else one, so that a few long sequences still
+  // spread over the threads.
   const int64_t heads_per_task =
       num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t tasks_per_seq = num_kv_heads / heads_per_task;
 
   at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim),
-        row(num_kv_heads * head_dim), scores;
+    std::vector<float> scores;
     std::vector<int64_t> offsets;  // each token's row in either cache
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / tasks_per_seq;
       const int64_t kv_begin = (task % tasks_per_seq) * heads_per_task;
-      const int64_t kv_end = kv_begin + heads_per_task;
-      const int64_t h_begin = kv_begin * group, h_end = kv_end * group;
-      const int64_t width = heads_per_task * head_dim;  // floats of one token's K or V row
+      const int64_t h_begin = kv_begin * group, h_end = (kv_begin + heads_per_task) * group;
+      const int64_t width = heads_per_task * head_dim;  // elements of a token's K or V row
       const int64_t len = lens[b];
       const int32_t* table = tables + b * table_stride;
-      for (int64_t h = h_begin; h < h_end; ++h) {
-        const T* q_head = q_ptr + b * q_seq_stride + h * q_head_stride;
-        for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = to_float(q_head[d]) * fscale;
-      }
       scores.resize(num_heads * len);
       offsets.resize(len);
       for (int64_t t = 0, block = 0; t < len; ++block) {
@@ -97,44 +91,44 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& key_cache,
           offsets[t] = base + i * token_stride;
         }
       }
-      for (int64_t t = 0; t < len; ++t) {
-        if (t + kPrefetchAhead < len) prefetch_row(k_ptr + offsets[t + kPrefetchAhead], width);
-        widen(k_ptr + offsets[t], row.data(), width);
-        for (int64_t h = h_begin; h < h_end; ++h) {
-          const float* qh = qf.data() + h * head_dim;
-          const float* key = row.data() + (h / group - kv_begin) * head_dim;
+      // Head by head: the first head of a KV group reads its rows from memory (prefetched
+      // ahead), the others find them in cache.
+      for (int64_t h = h_begin; h < h_end; ++h) {
+        const bool first = (h - h_begin) % group == 0;
+        const int64_t head_offset = (h / group - kv_begin) * head_dim;
+        const T* q_head = q_ptr + b * q_seq_stride + h * q_head_stride;
+        float qh[kBuffer];
+        for (int64_t d = 0; d < head_dim; ++d) qh[d] = to_float(q_head[d]) * fscale;
+        float* s = scores.data() + h * len;
+        for (int64_t t = 0; t < len; ++t) {
+          if (first && t + kPrefetchAhead < len) {
+            prefetch_row(k_ptr + offsets[t + kPrefetchAhead], width);
+          }
+          const T* key = k_ptr + offsets[t] + head_offset;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * key[d];
-          scores[h * len + t] = dot;
+          for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * to_float(key[d]);
+          s[t] = dot;
         }
-      }
-      for (int64_t h = h_begin; h < h_end; ++h) {
-        float* s = scores.data() + h * len;
         const float peak = *std::max_element(s, s + len);
         float total = 0.f;
         for (int64_t t = 0; t < len; ++t) {
           s[t] = std::exp(s[t] - peak);
           total += s[t];
         }
-        const float inv = 1.f / total;
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-      }
-      std::fill(acc.begin() + h_begin * head_dim, acc.begin() + h_end * head_dim, 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        if (t + kPrefetchAhead < len) prefetch_row(v_ptr + offsets[t + kPrefetchAhead], width);
-        widen(v_ptr + offsets[t], row.data(), width);
-        for (int64_t h = h_begin; h < h_end; ++h) {
-          const float w = scores[h * len + t];
-          const float* value = row.data() + (h / group - kv_begin) * head_dim;
-          float* a = acc.data() + h * head_dim;
+        float acc[kBuffer] = {};
+        for (int64_t t = 0; t < len; ++t) {
+          if (first && t + kPrefetchAhead < len) {
+            prefetch_row(v_ptr + offsets[t + kPrefetchAhead], width);
+          }
+          const T* value = v_ptr + offsets[t] + head_offset;
+          const float w = s[t];
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += w * value[d];
+          for (int64_t d = 0; d < head_dim; ++d) acc[d] += w * to_float(value[d]);
         }
-      }
-      T* out_seq = out_ptr + b * num_heads * head_dim;
-      for (int64_t i = h_begin * head_dim; i < h_end * head_dim; ++i) {
-        out_seq[i] = static_cast<T>(acc[i]);
+        const float inv = 1.f / total;
+        T* out_head = out_ptr + (b * num_heads + h) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) out_head[d] = static_cast<T>(acc[d] * inv);
       }
     }
   });
@@ -159,12 +153,23 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cac
   TORCH_CHECK(q.size(1) % key_cache.size(2) == 0 && q.size(2) == key_cache.size(3),
               "heads must be a multiple of kv_heads, head dims equal");
   at::Tensor out = at::empty(q.sizes(), q.options());
+  TORCH_CHECK(q.size(2) <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(),
                                   "paged_decode_attention", [&] {
-                                    decode_attention_kernel<scalar_t>(q, key_cache, value_cache,
-                                                                      block_tables, seq_lens,
-                                                                      scale, out);
-                                  });
+    switch (q.size(2)) {
+      case 64:
+        decode_attention_kernel<scalar_t, 64>(q, key_cache, value_cache, block_tables,
+                                              seq_lens, scale, out);
+        break;
+      case 128:
+        decode_attention_kernel<scalar_t, 128>(q, key_cache, value_cache, block_tables,
+                                               seq_lens, scale, out);
+        break;
+      default:
+        decode_attention_kernel<scalar_t, 0>(q, key_cache, value_cache, block_tables,
+                                             seq_lens, scale, out);
+    }
+  });
   return out;
 }
 
