@@ -19,3 +19,12 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")  # as a new local Ray instance e
 for sub in ("unit", "e2e"):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), sub))
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+def pytest_sessionstart(session) -> None:
+    """Build the native CPU kernels once, here, before any test starts a server: servers
+    then load the finished build instead of each compiling it (or waiting for another
+    that does) within its start-up timeout."""
+    from tokenmill.kernels import native_ops
+
+    native_ops()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 import pytest
@@ -36,3 +37,17 @@ def tiny_model_dir(tmp_path_factory):
         return built[variant]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def native():
+    """The native CPU ops; a failed build fails the test where a C++ compiler exists."""
+    from tokenmill.kernels import native_ops
+
+    ops = native_ops()
+    if ops is None:
+        if shutil.which("c++") or shutil.which("g++"):
+            pytest.fail("the native kernels did not build, with a C++ compiler present "
+                        "(the log says why)")
+        pytest.skip("no C++ compiler here: the native kernels cannot be built")
+    return ops

@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels import native_ops
 from tokenmill.models.layers import RotaryEmbedding, apply_rotary
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -16,12 +15,9 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 DTYPES = list(TOLERANCE)
 
 
-@pytest.fixture(scope="module")
-def ops():
-    built = native_ops()
-    if built is None:
-        pytest.skip("the native kernels cannot be built here (no C++ compiler?)")
-    return built
+@pytest.fixture
+def ops(native):
+    return native
 
 
 def close(actual, expected, dtype):
@@ -79,3 +75,15 @@ def test_fused_ops_reject_mismatched_input(ops):
         ops.rotary_store_kv(torch.randn(1, (HEADS + 2 * KV_HEADS) * HEAD_DIM),
                             torch.ones(1, HEAD_DIM), torch.ones(1, HEAD_DIM), cache, cache,
                             torch.zeros(1, dtype=torch.int32), HEADS, KV_HEADS)
+
+
+def test_bfloat16_results_round_to_nearest_even_like_pytorch(ops):
+    """silu(100) is exactly 100 in float32, so out = bf16(100 * up): the kernels' float32 to
+    bfloat16 rounding must match PyTorch's bit for bit, NaN and infinities included."""
+    up = torch.randn(4, 4096, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    up[0, :3] = torch.tensor([float("nan"), float("inf"), float("-inf")])
+    gate = torch.full_like(up, 100.0)
+    out = ops.silu_and_mul(torch.cat((gate, up), dim=1))
+    expected = (100.0 * up.float()).to(torch.bfloat16)
+    assert torch.equal(out[:, 3:], expected[:, 3:])
+    assert out[0, 0].isnan() and out[0, 1] == float("inf") and out[0, 2] == float("-inf")

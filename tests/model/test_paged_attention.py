@@ -8,7 +8,6 @@ import random
 import pytest
 import torch
 
-from tokenmill.kernels import native_ops
 from tokenmill.models.attention import paged_attention, plan_attention
 from tokenmill.models.attention_metadata import AttentionMetadata
 
@@ -68,23 +67,17 @@ CASES = {
 }
 
 
-def native_kernel():
-    ops = native_ops()
-    if ops is None:
-        pytest.skip("the native kernels cannot be built here (no C++ compiler?)")
-    return ops.paged_decode_attention
-
-
 @pytest.mark.parametrize("backend", ["sdpa", "native"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_paged_attention_equals_naive(case, backend):
+def test_paged_attention_equals_naive(case, backend, request):
     seq_lens, query_lens = CASES[case]
     cache, md, full_kv, qs = make_batch(seq_lens, query_lens, seed=len(case))
     q = torch.cat(qs)
     k = torch.cat([k[s - n :] for (k, _), s, n in zip(full_kv, seq_lens, query_lens, strict=True)])
     v = torch.cat([v[s - n :] for (_, v), s, n in zip(full_kv, seq_lens, query_lens, strict=True)])
-    native = native_kernel() if backend == "native" else None
-    plan = plan_attention(md, torch.float32, cache.shape[1], native)
+    kernel = (request.getfixturevalue("native").paged_decode_attention
+              if backend == "native" else None)
+    plan = plan_attention(md, torch.float32, cache.shape[1], kernel)
     out = paged_attention(q, k, v, cache, plan, HEAD_DIM**-0.5)
 
     expected = torch.cat([
@@ -111,7 +104,7 @@ def test_plan_takes_the_batched_decode_path():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_native_decode_kernel_matches_sdpa_on_strided_queries(dtype):
+def test_native_decode_kernel_matches_sdpa_on_strided_queries(dtype, native):
     """The kernel reads q rows in place (a view, as the model's q/k split gives it) and
     agrees with the SDPA path in every storage dtype: float32 to rounding, the 16-bit
     dtypes within their precision (both accumulate in float32)."""
@@ -119,20 +112,21 @@ def test_native_decode_kernel_matches_sdpa_on_strided_queries(dtype):
     cache = cache.to(dtype) / 100
     qk = torch.randn(6, HEADS + KV_HEADS, HEAD_DIM).to(dtype)
     q = qk[:, :HEADS]  # not contiguous
-    native = native_kernel()(q, cache[0], cache[1], md.block_tables.to(torch.int32),
-                             torch.tensor(md.seq_lens, dtype=torch.int32), HEAD_DIM**-0.5)
+    out = native.paged_decode_attention(q, cache[0], cache[1], md.block_tables.to(torch.int32),
+                                        torch.tensor(md.seq_lens, dtype=torch.int32),
+                                        HEAD_DIM**-0.5)
     k_new = v_new = torch.zeros(6, KV_HEADS, HEAD_DIM, dtype=dtype)
     unused = sorted(set(range(NUM_BLOCKS)) - set(md.block_tables.flatten().tolist()))[0]
     md.slot_mapping = torch.full((6,), unused * BLOCK_SIZE)  # the new k/v go where none looks
     sdpa = paged_attention(q.contiguous(), k_new, v_new, cache,
                            plan_attention(md, dtype, cache.shape[1]), HEAD_DIM**-0.5)
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
-    torch.testing.assert_close(native.reshape(6, -1).float(), sdpa.float(),
+    torch.testing.assert_close(out.reshape(6, -1).float(), sdpa.float(),
                                atol=tolerance, rtol=tolerance)
 
 
-def test_native_decode_kernel_rejects_bad_input():
-    op = native_kernel()
+def test_native_decode_kernel_rejects_bad_input(native):
+    op = native.paged_decode_attention
     cache = torch.zeros(2, 4, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     q = torch.zeros(1, HEADS, HEAD_DIM)
     tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
@@ -143,14 +137,14 @@ def test_native_decode_kernel_rejects_bad_input():
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 40])  # unrolled sizes and the generic loop
-def test_native_decode_kernel_for_each_head_size(head_dim):
+def test_native_decode_kernel_for_each_head_size(head_dim, native):
     gen = torch.Generator().manual_seed(head_dim)
     num_blocks, lens = 48, [1, 17, 40, 5]
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, KV_HEADS, head_dim, generator=gen)
     tables = torch.randperm(num_blocks, generator=gen)[:4 * 10].view(4, 10)
     q = torch.randn(4, HEADS, head_dim, generator=gen)
-    out = native_kernel()(q, cache[0], cache[1], tables.to(torch.int32),
-                          torch.tensor(lens, dtype=torch.int32), head_dim**-0.5)
+    out = native.paged_decode_attention(q, cache[0], cache[1], tables.to(torch.int32),
+                                        torch.tensor(lens, dtype=torch.int32), head_dim**-0.5)
     for b, seq_len in enumerate(lens):
         rows = torch.tensor([int(tables[b, t // BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE
                              for t in range(seq_len)])

@@ -7,7 +7,9 @@ PyTorch path. ``choose_kernels`` applies the engine's ``kernels`` option.
 
 The build is tuned for the CPU it runs on (``-march=native``), so its cache entry is
 named after the sources, the compiler flags, PyTorch's version and the CPU's feature
-flags: a cache shared by different hosts never hands one the other's code.
+flags: a cache shared by different hosts never hands one the other's code. A finished
+build is loaded directly; only a missing one goes through PyTorch's builder (which
+locks its folder while it compiles).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tokenmill.sampling_params import InvalidParameterError
 logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_decode_attention.cpp", "fused_layers.cpp"))
+HEADERS = (Path(__file__).with_name("dtype_conversion.h"),)
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 
 
@@ -50,14 +53,22 @@ def native_ops() -> NativeOps | None:
     from torch.utils import cpp_extension
 
     _put_ninja_on_path()
-    parts = [source.read_bytes() for source in SOURCES]
+    parts = [source.read_bytes() for source in SOURCES + HEADERS]
     parts += [" ".join(CFLAGS).encode(), torch.__version__.encode(),
               " ".join(sorted(cpu_flags())).encode()]
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    name = f"tokenmill_kernels_{digest}"
+    build_dir = os.path.join(cpp_extension.get_default_build_root(), name)
+    library = os.path.join(build_dir, f"{name}.so")
     try:
-        cpp_extension.load(name=f"tokenmill_kernels_{key}", sources=[str(s) for s in SOURCES],
-                           extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
-                           is_python_module=False, verbose=False)
+        if os.path.exists(library):
+            torch.ops.load_library(library)
+        else:
+            os.makedirs(build_dir, exist_ok=True)
+            cpp_extension.load(name=name, sources=[str(s) for s in SOURCES],
+                               extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+                               build_directory=build_dir, is_python_module=False,
+                               verbose=False)
     except (OSError, RuntimeError, ImportError) as error:
         logger.warning("native CPU kernels unavailable, using PyTorch's: %s",
                        str(error).splitlines()[0] if str(error) else type(error).__name__)

@@ -9,23 +9,15 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "dtype_conversion.h"
+
 #include <cmath>
 #include <cstring>
 
 namespace {
 
-template <typename T>
-inline float to_float(T x) {
-  return static_cast<float>(x);
-}
-
-template <>
-inline float to_float<at::BFloat16>(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using tokenmill::from_float;
+using tokenmill::to_float;
 
 void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be [rows, n] with contiguous rows");
@@ -47,7 +39,7 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, float eps, at:
       for (int64_t i = 0; i < n; ++i) sum += to_float(src[i]) * to_float(src[i]);
       const float inv = 1.f / std::sqrt(sum / n + eps);
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(to_float(src[i]) * inv * to_float(w[i]));
+      for (int64_t i = 0; i < n; ++i) dst[i] = from_float<T>(to_float(src[i]) * inv * to_float(w[i]));
     }
   });
 }
@@ -75,7 +67,7 @@ void silu_and_mul_rows(const at::Tensor& x, at::Tensor& out) {
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) {
         const float g = to_float(gate[i]);
-        dst[i] = static_cast<T>(g / (1.f + std::exp(-g)) * to_float(up[i]));
+        dst[i] = from_float<T>(g / (1.f + std::exp(-g)) * to_float(up[i]));
       }
     }
   });
@@ -112,8 +104,8 @@ void rotary_store_rows(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor&
           const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
           const float r1 = x1 * to_float(c[i]) + x2 * to_float(s[i]);
           const float r2 = x2 * to_float(c[half + i]) + x1 * to_float(s[half + i]);
-          x[i] = static_cast<T>(r1);
-          x[i + half] = static_cast<T>(r2);
+          x[i] = from_float<T>(r1);
+          x[i + half] = from_float<T>(r2);
         }
       }
       const T* k = row + num_heads * head_dim;

@@ -11,25 +11,17 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "dtype_conversion.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 namespace {
 
-template <typename T>
-inline float to_float(T x) {
-  return static_cast<float>(x);
-}
+using tokenmill::from_float;
+using tokenmill::to_float;
 
-template <>
-inline float to_float<at::BFloat16>(at::BFloat16 x) {
-  // bfloat16 is the top half of a float32: widening is a shift (vectorizes).
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
 
 // Tokens ahead whose rows are requested before use: blocks lie anywhere in the cache, so
 // the hardware prefetcher cannot guess the next block.
@@ -128,7 +120,7 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& key_cache,
         }
         const float inv = 1.f / total;
         T* out_head = out_ptr + (b * num_heads + h) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) out_head[d] = static_cast<T>(acc[d] * inv);
+        for (int64_t d = 0; d < head_dim; ++d) out_head[d] = from_float<T>(acc[d] * inv);
       }
     }
   });
