@@ -78,12 +78,23 @@ def test_fused_ops_reject_mismatched_input(ops):
 
 
 def test_bfloat16_results_round_to_nearest_even_like_pytorch(ops):
-    """silu(100) is exactly 100 in float32, so out = bf16(100 * up): the kernels' float32 to
-    bfloat16 rounding must match PyTorch's bit for bit, NaN and infinities included."""
-    up = torch.randn(4, 4096, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    up[0, :3] = torch.tensor([float("nan"), float("inf"), float("-inf")])
-    gate = torch.full_like(up, 100.0)
-    out = ops.silu_and_mul(torch.cat((gate, up), dim=1))
-    expected = (100.0 * up.float()).to(torch.bfloat16)
-    assert torch.equal(out[:, 3:], expected[:, 3:])
-    assert out[0, 0].isnan() and out[0, 1] == float("inf") and out[0, 2] == float("-inf")
+    """With sin = 0 the rotation is x * cos: a float32 product of two bfloat16 values is
+    exact, so the only rounding is the kernels' float32 to bfloat16 one, which must match
+    PyTorch's bit for bit; a NaN stays a NaN."""
+    gen = torch.Generator().manual_seed(0)
+    tokens, width = 64, (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    qkv = torch.randn(tokens, width, generator=gen).to(torch.bfloat16)
+    cos = torch.randn(tokens, HEAD_DIM // 2, generator=gen).to(torch.bfloat16).repeat(1, 2)
+    sin = torch.zeros_like(cos)
+    cache = torch.zeros(16, 4, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    rotated = qkv.clone()
+    ops.rotary_store_kv(rotated, cos, sin, cache, cache.clone(), torch.arange(tokens), HEADS,
+                        KV_HEADS)
+    qk = (HEADS + KV_HEADS) * HEAD_DIM
+    expected = (qkv[:, :qk].float().view(tokens, -1, HEAD_DIM) * cos[:, None].float())
+    expected = expected.to(torch.bfloat16).view(tokens, qk)
+    assert torch.equal(rotated[:, :qk], expected)
+    row = torch.randn(2, 96, generator=gen).to(torch.bfloat16)
+    row[0, 5] = float("nan")
+    normed = ops.rms_norm(row, torch.ones(96, dtype=torch.bfloat16), 1e-5)
+    assert normed[0].isnan().all() and not normed[1].isnan().any()

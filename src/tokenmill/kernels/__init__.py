@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_decode_attention.cpp", "fused_layers.cpp"))
 HEADERS = (Path(__file__).with_name("dtype_conversion.h"),)
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
+# Fast math (vectorized exp, reassociated sums) but NaN and infinity keep their meaning.
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp")
 
 
 @dataclass(frozen=True, slots=True)
