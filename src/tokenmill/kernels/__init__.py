@@ -60,7 +60,8 @@ def native_ops() -> NativeOps | None:
               " ".join(sorted(cpu_flags())).encode()]
     digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     name = f"tokenmill_kernels_{digest}"
-    build_dir = os.path.join(cpp_extension.get_default_build_root(), name)
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    build_dir = os.path.join(root, name)
     library = os.path.join(build_dir, f"{name}.so")
     try:
         if os.path.exists(library):

@@ -7,8 +7,8 @@ Sequences split into two groups:
 - *decode* sequences (one new token): all of them go through ONE call. With a native
   decode kernel (``tokenmill.kernels``: the engine's default on CPU) that call reads the
   blocks in place, each sequence over its own length. Without one it is a padded SDPA
-  call: the blocks are gathered into ``[Bd, L, kv_heads, D]`` with ``L`` the longest context, and a
-  length mask hides each row's padding::
+  call: the blocks are gathered into ``[Bd, L, kv_heads, D]`` with ``L`` the longest
+  context, and a length mask hides each row's padding::
 
       row b:  | k_0 k_1 ... k_{len_b - 1} | padding (masked) |     L = max(len_b)
 
