@@ -4,9 +4,10 @@
 //
 // where K/V rows of sequence b live in the cache blocks block_tables[b, :] (token t in
 // block block_tables[b, t / block_size] at offset t % block_size), and G = heads / kv_heads
-// query heads share one KV head. Each task (a sequence, or one KV head of it) reads its
-// keys and values once for all the query heads that use them. Arithmetic is float32
-// whatever the storage dtype; softmax is exact (max subtracted), never over padding.
+// query heads share one KV head. A task is a sequence (or one KV head of it), computed
+// head by head: the first query head of a KV group reads the group's rows from memory,
+// the others find them in cache. Arithmetic is float32 whatever the storage dtype;
+// softmax is exact (max subtracted), never over padding.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -21,7 +22,6 @@ namespace {
 
 using tokenmill::from_float;
 using tokenmill::to_float;
-
 
 // Tokens ahead whose rows are requested before use: blocks lie anywhere in the cache, so
 // the hardware prefetcher cannot guess the next block.
