@@ -74,9 +74,9 @@ class Tally:
     aborted_choices: int = 0
     aborted_prompt_tokens: int = 0  # per choice
     aborted_tokens_seen: int = 0
-    # abandoned non-streaming requests: (x-request-id, n, prompt length); only those the
-    # server admitted before the client left count as aborts (see ``settle``)
-    abandoned_plain: list[tuple[str, int, int]] = field(default_factory=list)
+    # non-streaming requests the client gave up on: (x-request-id, n, prompt length,
+    # max_tokens); the server's log tells how each ended (see ``settle``)
+    abandoned_plain: list[tuple[str, int, int, int]] = field(default_factory=list)
     bad_requests: int = 0
     errors: list[str] = field(default_factory=list)
 
@@ -91,11 +91,17 @@ class Tally:
         self.aborted_tokens_seen += tokens_seen
 
     def settle(self, server_log: str) -> None:
-        """Count the abandoned non-streaming requests the server had admitted (its log
-        names each admitted request); the others never reached the engine."""
-        for request_id, n, prompt_len in self.abandoned_plain:
-            if f"request {request_id}:" in server_log:
+        """Count the non-streaming requests the client gave up on, from the server's log:
+        aborted where it logged the disconnect, finished (``max_tokens`` per choice, as
+        ``ignore_eos`` asks) where it admitted the request and completed it before noticing,
+        nothing where it never admitted it."""
+        for request_id, n, prompt_len, max_tokens in self.abandoned_plain:
+            if f"request {request_id}: client disconnected; aborted" in server_log:
                 self.abandoned(n, prompt_len)
+            elif f"request {request_id}:" in server_log:
+                self.finished_choices += n
+                self.finished_prompt_tokens += prompt_len * n
+                self.finished_completion_tokens += max_tokens * n
         self.abandoned_plain.clear()
 
 
@@ -149,7 +155,7 @@ async def plain_request(client: httpx.AsyncClient, body: dict, abort_after_s: fl
                                                headers={"x-request-id": request_id}),
                                    abort_after_s)
     except asyncio.TimeoutError:
-        tally.abandoned_plain.append((request_id, n, prompt_len))
+        tally.abandoned_plain.append((request_id, n, prompt_len, max_tokens))
         return
     if r.status_code != 200:
         tally.fail(f"plain: HTTP {r.status_code} {r.text[:200]}")
