@@ -87,7 +87,7 @@ template <typename T>
 void rotary_store_rows(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                        at::Tensor& key_cache, at::Tensor& value_cache,
                        const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
-  const int64_t tokens = qkv.size(0), head_dim = cos.size(1), half = head_dim / 2;
+  const int64_t tokens = qkv.size(0), head_dim = cos.size(-1), half = head_dim / 2;
   const int64_t kv_width = num_kv_heads * head_dim;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   T* k_cache = key_cache.data_ptr<T>();
@@ -117,20 +117,22 @@ void rotary_store_rows(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor&
 
 // qkv [T, (H + 2 KVH) D], rows contiguous: | q heads | k heads | v heads |.
 // cos [T, D] = [cos, cos] and sin [T, D] = [-sin, sin] (each D/2 wide) at each token's
-// position, rows contiguous: the rotation is x * cos + swap_halves(x) * sin.
+// position, rows contiguous (or [T, 1, D], as RotaryEmbedding.cos_sin gives them): the
+// rotation is x * cos + swap_halves(x) * sin.
 // key_cache/value_cache [num_blocks, block_size, KVH, D] contiguous: flat slot s is row s
 // of the [num_blocks * block_size, KVH * D] view.
 void rotary_store_kv(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
                      at::Tensor key_cache, at::Tensor value_cache,
                      const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
   check_rows(qkv, "qkv");
-  check_rows(cos, "cos");
-  check_rows(sin, "sin");
-  const int64_t tokens = qkv.size(0), head_dim = cos.size(1);
+  const int64_t tokens = qkv.size(0), head_dim = cos.size(-1);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "qkv width");
-  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type() &&
-                  cos.size(0) == tokens && sin.size(0) == tokens && sin.size(1) == head_dim,
-              "cos and sin must be [T, D], in qkv's dtype");
+  for (const at::Tensor* table : {&cos, &sin}) {
+    TORCH_CHECK(table->scalar_type() == qkv.scalar_type() && table->size(0) == tokens &&
+                    table->size(-1) == head_dim && table->numel() == tokens * head_dim &&
+                    table->stride(-1) == 1,
+                "cos and sin must be [T, D] (or [T, 1, D]) with contiguous rows, in qkv's dtype");
+  }
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   key_cache.scalar_type() == qkv.scalar_type() &&
                   value_cache.scalar_type() == qkv.scalar_type() &&

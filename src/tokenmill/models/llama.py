@@ -77,7 +77,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         qk_size = self.q_size + self.kv_size
         if self.native is not None:
-            self.native.rotary_store_kv(qkv, cos[:, 0], sin[:, 0], kv_cache[0], kv_cache[1],
+            self.native.rotary_store_kv(qkv, cos, sin, kv_cache[0], kv_cache[1],
                                         plan.slot_mapping, self.num_heads, self.num_kv_heads)
             q, k, v = (qkv[:, lo:hi].view(num_tokens, -1, self.head_dim) for lo, hi in
                        ((0, self.q_size), (self.q_size, qk_size), (qk_size, qkv.shape[1])))
