@@ -3,6 +3,7 @@ precision, and the host's support decides which one a model gets."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -21,6 +22,7 @@ from tokenmill.models.perplexity import perplexity
 from tokenmill.models.weight_formats import (
     Int4Weight,
     Int8Weight,
+    NativeBF16Weight,
     OneDNNWeight,
     choose_weight_format,
     onednn_supports,
@@ -68,6 +70,36 @@ def test_onednn_bf16_matches_plain_bf16(tiny_model_dir, variant):
     reference = mixed_batch_logits(unpacked_model(model_dir, torch.float32))
     torch.testing.assert_close(got, plain, atol=0.02, rtol=0.02)
     torch.testing.assert_close(got, reference, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama_untied", "qwen2"])
+def test_native_bf16_matches_plain_bf16(tiny_model_dir, variant, native):
+    if native.bf16_linear is None:
+        pytest.skip("this CPU has no AVX512-BF16: the native bfloat16 kernel is not built")
+    model_dir = tiny_model_dir(variant)
+    packed, _ = load_model(model_dir, BF16, CPU, native=native)
+    assert packed_formats(packed) == {NativeBF16Weight}
+
+    got = mixed_batch_logits(packed).float()
+    plain = mixed_batch_logits(unpacked_model(model_dir, BF16)).float()
+    reference = mixed_batch_logits(unpacked_model(model_dir, torch.float32))
+    torch.testing.assert_close(got, reference, atol=0.1, rtol=0.05)
+    # as precise as PyTorch's own bfloat16 (the two round in different places, so they
+    # differ from each other by about as much as each differs from float32)
+    assert (got - reference).abs().mean() <= 1.25 * (plain - reference).abs().mean()
+
+
+def test_native_bf16_weights_only_where_their_kernel_runs(native):
+    """bfloat16 on the CPU with the native kernels takes them where the CPU has AVX512-BF16;
+    other dtypes, devices, and a host without the kernel keep oneDNN's (or plain) weights."""
+    without = dataclasses.replace(native, bf16_pack_weight=None, bf16_linear=None)
+    assert choose_weight_format(BF16, CPU, "none", without) is choose_weight_format(BF16, CPU)
+    assert choose_weight_format(torch.float32, CPU, "none", native) is OneDNNWeight
+    assert choose_weight_format(BF16, torch.device("cuda"), "none", native) is None
+    assert choose_weight_format(BF16, CPU, "int8", native) is Int8Weight
+    if native.bf16_linear is not None:
+        fmt = choose_weight_format(BF16, CPU, "none", native)
+        assert isinstance(fmt(torch.zeros(32, 16, dtype=BF16), None), NativeBF16Weight)
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen2"])

@@ -46,8 +46,8 @@ def build_engine(config: EngineConfig) -> Engine:
     # quantized weights multiply bfloat16 activations, so "auto" means bfloat16 with them
     dtype = (torch.bfloat16 if config.quantization != "none" and config.dtype == "auto"
              else resolve_dtype(config.dtype, device))
-    model, model_config = load_model(config.model, dtype, device, config.quantization)
-    model.use_native_ops(choose_kernels(config.kernels, device))
+    model, model_config = load_model(config.model, dtype, device, config.quantization,
+                                     choose_kernels(config.kernels, device))
     tokenizer = load_tokenizer(config.model)
     max_model_len = _max_model_len(config, model_config)
     num_blocks = _num_kv_blocks(config, model_config, dtype, max_model_len)

@@ -1,6 +1,7 @@
 """Model runtime: plain ``nn.Module``s with an explicit paged-attention forward.
 
-    loader.load_model(path, dtype, device, quantization="none") -> (model, ModelConfig)
+    loader.load_model(path, dtype, device, quantization="none", native=None)
+        -> (model, ModelConfig)
         (projections in the weight format ``weight_formats.choose_weight_format`` picks)
     model(input_ids [T], positions [T], AttentionMetadata, kv_caches) -> hidden [T, H]
     model.compute_logits(hidden [N, H]) -> float32 logits [N, V]

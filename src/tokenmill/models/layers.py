@@ -14,14 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels import NativeOps
-from tokenmill.models.weight_formats import Int4Weight, Int8Weight, OneDNNWeight, WeightFormat
+from tokenmill.models.weight_formats import PackedWeight, WeightFormat
 
 
 class Linear(nn.Module):
     """``y = x @ weight.T + bias``; after loading, optionally in a packed weight format.
 
-    ``pack(fmt)`` converts the weight once into a ``weight_formats`` form (oneDNN's blocked
-    layout, or int8 with per-row scales) whose kernels compute the same product faster.
+    ``pack(fmt)`` converts the weight once into a ``weight_formats`` form (a kernel's own
+    layout, or int8/int4 with scales) whose kernels compute the same product faster.
     Invariant: after ``pack`` the plain weight is released (an empty tensor): the module
     computes, it no longer loads weights.
     """
@@ -41,7 +41,7 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         )
-        self.packed: OneDNNWeight | Int8Weight | Int4Weight | None = None
+        self.packed: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

@@ -28,13 +28,7 @@ from tokenmill.models.layers import (
     RotaryEmbedding,
     apply_rotary,
 )
-from tokenmill.models.weight_formats import (
-    Int4Weight,
-    Int8Weight,
-    OneDNNWeight,
-    WeightFormat,
-    head_format,
-)
+from tokenmill.models.weight_formats import PackedWeight, WeightFormat, head_format
 
 # Hugging Face projection name -> (our fused projection, shard index in it).
 PACKED_WEIGHTS = {
@@ -139,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
         )
-        self.packed_tied_head: OneDNNWeight | Int8Weight | Int4Weight | None = None
+        self.packed_tied_head: PackedWeight | None = None
         self.native_ops: NativeOps | None = None  # see ``use_native_ops``
         q = config.num_attention_heads * config.head_dim
         kv = config.num_key_value_heads * config.head_dim

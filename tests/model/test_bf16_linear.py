@@ -1,0 +1,86 @@
+"""The native bfloat16 linear kernel (``tokenmill.kernels``, AVX512-BF16 hosts) against
+float64 arithmetic on the same bfloat16 values: exact products summed in float32, one
+rounding at the end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def ops(native):
+    if native.bf16_linear is None:
+        pytest.skip("this CPU has no AVX512-BF16: bfloat16 weights take oneDNN's kernels")
+    return native
+
+
+def expected(x, weight, bias=None, residual=None) -> torch.Tensor:
+    out = x.double() @ weight.double().T
+    if bias is not None:
+        out += bias.double()
+    if residual is not None:
+        out += residual.double()
+    return out
+
+
+def assert_one_rounding(actual: torch.Tensor, exact: torch.Tensor, k: int) -> None:
+    """Within one bfloat16 rounding of the exact result, plus float32 summation error."""
+    bound = exact.abs() * 2.0**-8 + k * 2.0**-22 * exact.abs().max()
+    assert ((actual.double() - exact).abs() <= bound).all()
+
+
+# rows: 1 (a decode step), 13 (two row chunks), 40 (four), 130 (a prefill: many chunks);
+# outputs not a multiple of the 32-wide panel; an odd input size.
+@pytest.mark.parametrize("rows", [1, 13, 40, 130])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (37, 10), (200, 33)])
+def test_linear_matches_exact_arithmetic(ops, rows, out_features, in_features):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen).to(BF16)
+    x = torch.randn(rows, in_features, generator=gen).to(BF16)
+    bias = torch.randn(out_features, generator=gen).to(BF16)
+    residual = torch.randn(rows, out_features, generator=gen).to(BF16)
+    packed = ops.bf16_pack_weight(weight)
+
+    plain = ops.bf16_linear(x, packed, out_features, None, None)
+    assert plain.dtype == BF16 and plain.shape == (rows, out_features)
+    assert_one_rounding(plain, expected(x, weight), in_features)
+    assert_one_rounding(ops.bf16_linear(x, packed, out_features, bias, residual),
+                        expected(x, weight, bias, residual), in_features)
+
+
+def test_linear_reads_strided_rows_in_place(ops):
+    weight = torch.randn(64, 48).to(BF16)
+    wide = torch.randn(9, 100).to(BF16)
+    x = wide[:, 20:68]  # rows 100 apart
+    residual = torch.randn(9, 128).to(BF16)[:, :64]
+    out = ops.bf16_linear(x, ops.bf16_pack_weight(weight), 64, None, residual)
+    assert_one_rounding(out, expected(x, weight, residual=residual), 48)
+
+
+def test_linear_keeps_nan_and_inf(ops):
+    weight = torch.ones(32, 4, dtype=BF16)
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0], [float("nan"), 0, 0, 0], [float("inf"), 0, 0, 0]],
+                     dtype=BF16)
+    out = ops.bf16_linear(x, ops.bf16_pack_weight(weight), 32, None, None).float()
+    assert (out[0] == 10).all() and out[1].isnan().all() and (out[2] == float("inf")).all()
+
+
+def test_linear_rejects_bad_input(ops):
+    weight = torch.randn(64, 32).to(BF16)
+    packed = ops.bf16_pack_weight(weight)
+    x = torch.randn(3, 32).to(BF16)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.bf16_linear(x.float(), packed, 64, None, None)
+    with pytest.raises(RuntimeError, match="packing"):
+        ops.bf16_linear(torch.randn(3, 30).to(BF16), packed, 64, None, None)
+    with pytest.raises(RuntimeError, match="packing"):
+        ops.bf16_linear(x, packed, 96, None, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.bf16_linear(x, packed, 64, torch.zeros(63, dtype=BF16), None)
+    with pytest.raises(RuntimeError, match="residual"):
+        ops.bf16_linear(x, packed, 64, None, torch.zeros(2, 64, dtype=BF16))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.bf16_pack_weight(weight.float())
