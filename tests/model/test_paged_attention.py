@@ -16,33 +16,33 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 8, 4, 64
 
 def naive_attention(q, k, v, ctx):
     """q [n, H, D] at positions ctx..ctx+n-1; k, v [ctx+n, KVH, D]: explicit softmax, float64."""
-    group = HEADS // KV_HEADS
+    group = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(group, dim=1)
     v = v.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / math.sqrt(HEAD_DIM)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / math.sqrt(q.shape[-1])
     query_pos = torch.arange(ctx, ctx + q.shape[0])[:, None]
     scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > query_pos, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
 
 
-def make_batch(seq_lens, query_lens, seed):
+def make_batch(seq_lens, query_lens, seed, head_dim=HEAD_DIM, num_blocks=NUM_BLOCKS):
     """Random K/V histories written into shuffled blocks; returns what one step needs."""
     gen = torch.Generator().manual_seed(seed)
-    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen) * 100
-    free = list(range(NUM_BLOCKS))
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, KV_HEADS, head_dim, generator=gen) * 100
+    free = list(range(num_blocks))
     random.Random(seed).shuffle(free)
     tables, slots, full_kv, qs = [], [], [], []
     for seq_len, q_len in zip(seq_lens, query_lens, strict=True):
         table = [free.pop() for _ in range(-(-seq_len // BLOCK_SIZE))]
-        k, v = (torch.randn(seq_len, KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2))
+        k, v = (torch.randn(seq_len, KV_HEADS, head_dim, generator=gen) for _ in range(2))
         seq_slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(seq_len)]
         ctx = seq_len - q_len
-        flat = cache.view(2, -1, KV_HEADS, HEAD_DIM)
+        flat = cache.view(2, -1, KV_HEADS, head_dim)
         flat[0, seq_slots[:ctx]], flat[1, seq_slots[:ctx]] = k[:ctx], v[:ctx]
         tables.append(table)
         slots += seq_slots[ctx:]
         full_kv.append((k, v))
-        qs.append(torch.randn(q_len, HEADS, HEAD_DIM, generator=gen))
+        qs.append(torch.randn(q_len, HEADS, head_dim, generator=gen))
     width = max(len(t) for t in tables)
     starts = [0]
     for q_len in query_lens:
@@ -155,3 +155,62 @@ def test_native_decode_kernel_for_each_head_size(head_dim, native):
         expected = torch.einsum("ht,thd->hd", scores.softmax(-1),
                                 v.double().repeat_interleave(group, dim=1))
         torch.testing.assert_close(out[b].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+# prompts of one tile and of several (16 queries a tile), chunks after context (ctx not a
+# multiple of 16), prefills between decodes
+PREFILL_CASES = {
+    "fresh": ([7, 40], [7, 40]),
+    "chunks_after_context": ([53, 30], [20, 3]),
+    "mixed_with_decodes": ([25, 1, 37, 17, 3], [1, 1, 37, 5, 1]),
+}
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", list(PREFILL_CASES))
+def test_native_prefill_kernel_equals_naive(case, head_dim, native):
+    """bfloat16 (the kernel's dtype): within the rounding of bfloat16 inputs and output."""
+    if native.paged_prefill_attention is None:
+        pytest.skip("this CPU has no AVX512-BF16: prefills take SDPA")
+    seq_lens, query_lens = PREFILL_CASES[case]
+    cache, md, full_kv, qs = make_batch(seq_lens, query_lens, seed=head_dim, head_dim=head_dim)
+    cache = cache.to(torch.bfloat16)  # unused slots hold large values: reading one shows
+    full_kv = [(k.to(torch.bfloat16), v.to(torch.bfloat16)) for k, v in full_kv]
+    qs = [q.to(torch.bfloat16) for q in qs]
+    q = torch.cat(qs)
+    k = torch.cat([k[s - n :] for (k, _), s, n in zip(full_kv, seq_lens, query_lens, strict=True)])
+    v = torch.cat([v[s - n :] for (_, v), s, n in zip(full_kv, seq_lens, query_lens, strict=True)])
+    plan = plan_attention(md, torch.bfloat16, cache.shape[1], native.paged_decode_attention,
+                          native.paged_prefill_attention)
+    assert plan.prefills == [] and plan.native_prefill is not None
+    out = paged_attention(q, k, v, cache, plan, head_dim**-0.5)
+
+    expected = torch.cat([
+        naive_attention(qi, ki, vi, s - n)
+        for qi, (ki, vi), s, n in zip(qs, full_kv, seq_lens, query_lens, strict=True)
+    ])
+    torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
+
+
+def test_native_prefill_kernel_rejects_bad_input(native):
+    op = native.paged_prefill_attention
+    if op is None:
+        pytest.skip("this CPU has no AVX512-BF16: prefills take SDPA")
+    bf16 = torch.bfloat16
+    cache = torch.zeros(2, 4, BLOCK_SIZE, KV_HEADS, 64, dtype=bf16)
+    q, out = torch.zeros(5, HEADS, 64, dtype=bf16), torch.zeros(5, HEADS * 64, dtype=bf16)
+    tables = torch.zeros(1, 2, dtype=torch.int32)
+    ranges, lens = torch.tensor([[0, 5]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
+    op(q, cache[0], cache[1], tables, ranges, lens, 1.0, out)  # well formed
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        op(q.float(), cache[0], cache[1], tables, ranges, lens, 1.0, out)
+    with pytest.raises(RuntimeError, match="int32"):
+        op(q, cache[0], cache[1], tables, ranges.long(), lens, 1.0, out)
+    with pytest.raises(RuntimeError, match="block table"):  # 9 keys need 3 blocks of 4
+        op(q, cache[0], cache[1], tables, ranges, torch.tensor([9], dtype=torch.int32), 1.0, out)
+    with pytest.raises(RuntimeError, match="queries must lie in q"):
+        op(q, cache[0], cache[1], tables, torch.tensor([[3, 8]], dtype=torch.int32), lens,
+           1.0, out)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        op(q[..., :32], cache[0][..., :32].contiguous(), cache[1][..., :32].contiguous(),
+           tables, ranges, lens, 1.0, out[:, : HEADS * 32])

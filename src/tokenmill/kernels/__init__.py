@@ -1,11 +1,10 @@
 """Native CPU kernels of the engine, compiled on first use for the host's CPU.
 
-``native_ops()`` builds ``paged_decode_attention.cpp``, ``fused_layers.cpp`` and
-``bf16_linear.cpp`` once with the host's C++ compiler and ``ninja`` and returns their
-``torch.ops.tokenmill`` ops as a ``NativeOps``, or ``None`` where they cannot be built: the
-model then keeps its pure PyTorch path. The bfloat16 linear ops exist only on a CPU with
-AVX512-BF16 (elsewhere ``NativeOps.bf16_linear`` is None). ``choose_kernels`` applies the
-engine's ``kernels`` option.
+``native_ops()`` builds the ``.cpp`` files here once with the host's C++ compiler and
+``ninja`` and returns their ``torch.ops.tokenmill`` ops as a ``NativeOps``, or ``None``
+where they cannot be built: the model then keeps its pure PyTorch path. The bfloat16 ops
+(linear layers, prefill attention) exist only on a CPU with AVX512-BF16; elsewhere their
+fields are None. ``choose_kernels`` applies the engine's ``kernels`` option.
 
 The build is tuned for the CPU it runs on (``-march=native``), so its cache entry is
 named after the sources, the compiler flags, PyTorch's version and the CPU's feature
@@ -32,7 +31,8 @@ from tokenmill.sampling_params import InvalidParameterError
 
 logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("paged_decode_attention.cpp", "fused_layers.cpp", "bf16_linear.cpp"))
+                for name in ("paged_decode_attention.cpp", "paged_prefill_attention.cpp",
+                             "fused_layers.cpp", "bf16_linear.cpp"))
 HEADERS = (Path(__file__).with_name("dtype_conversion.h"),)
 # Fast math: vectorized exp and reassociated sums. (The bfloat16 rounding tests NaN on the
 # bits, so a NaN still comes out a NaN.)
@@ -47,10 +47,11 @@ class NativeOps:
     rms_norm: Callable
     silu_and_mul: Callable
     rotary_store_kv: Callable
-    # bfloat16 linear layers over weights in bf16_pack_weight's layout; None where the CPU
-    # lacks AVX512-BF16
+    # bfloat16 only, None where the CPU lacks AVX512-BF16: linear layers over weights in
+    # bf16_pack_weight's layout; causal prefill attention (head size 64 or 128)
     bf16_pack_weight: Callable | None
     bf16_linear: Callable | None
+    paged_prefill_attention: Callable | None
 
 
 @functools.cache
@@ -86,7 +87,8 @@ def native_ops() -> NativeOps | None:
     has_bf16 = hasattr(ops, "bf16_linear")
     return NativeOps(ops.paged_decode_attention, ops.rms_norm, ops.silu_and_mul,
                      ops.rotary_store_kv, ops.bf16_pack_weight if has_bf16 else None,
-                     ops.bf16_linear if has_bf16 else None)
+                     ops.bf16_linear if has_bf16 else None,
+                     ops.paged_prefill_attention if has_bf16 else None)
 
 
 def choose_kernels(choice: str, device: torch.device) -> NativeOps | None:

@@ -14,8 +14,10 @@ Sequences split into two groups:
 
   GQA without copying K/V: the ``G = heads / kv_heads`` query heads that share one KV head
   become G query rows of that head, ``q[Bd, kv_heads, G, D]`` against ``k[Bd, kv_heads, L, D]``.
-- *prefill* sequences (several new tokens, a prompt or a chunk of one): one SDPA call each,
-  causal with an offset. New token ``i`` (position ``ctx + i``) sees keys ``0 .. ctx + i``::
+- *prefill* sequences (several new tokens, a prompt or a chunk of one): with a native
+  prefill kernel (bfloat16 on AVX512-BF16) all of them in ONE call over the blocks in
+  place; else one SDPA call each. Causal with an offset: new token ``i`` (position
+  ``ctx + i``) sees keys ``0 .. ctx + i``::
 
       keys ->   0 ....... ctx-1 | ctx ......... seq_len-1
       query 0:  x x x x x x x x | x
@@ -67,14 +69,21 @@ class AttentionPlan:
     native_decode: Callable | None = None  # (q, k_cache, v_cache, tables, lens, scale)
     decode_tables: torch.Tensor | None = None  # [Bd, nb] int32
     decode_seq_lens: torch.Tensor | None = None  # [Bd] int32
+    # With a native prefill kernel (then prefills stays empty):
+    # (q, k_cache, v_cache, tables, query_ranges, lens, scale, out)
+    native_prefill: Callable | None = None
+    prefill_tables: torch.Tensor | None = None  # [Bp, nb] int32
+    prefill_query_ranges: torch.Tensor | None = None  # [Bp, 2] int32, flat [start, end)
+    prefill_seq_lens: torch.Tensor | None = None  # [Bp] int32
 
 
 def plan_attention(md: AttentionMetadata, dtype: torch.dtype, num_cache_blocks: int,
-                   native_decode: Callable | None = None) -> AttentionPlan:
+                   native_decode: Callable | None = None,
+                   native_prefill: Callable | None = None) -> AttentionPlan:
     """Index tensors and masks for one forward pass; ``dtype``: the model's (masks are
     additive, 0 where a key is visible and -inf elsewhere, the form SDPA uses natively);
-    ``num_cache_blocks``: the blocks of each layer's cache tensor; ``native_decode``: the
-    decode kernel of ``tokenmill.kernels``, or None for SDPA."""
+    ``num_cache_blocks``: the blocks of each layer's cache tensor; ``native_decode`` and
+    ``native_prefill``: the attention kernels of ``tokenmill.kernels``, or None for SDPA."""
     device = md.slot_mapping.device
     bs = md.block_size
     decode_rows = [i for i, q in enumerate(md.query_lens) if q == 1]
@@ -101,8 +110,12 @@ def plan_attention(md: AttentionMetadata, dtype: torch.dtype, num_cache_blocks: 
             keys = torch.arange(decode_len, device=device)
             visible = (keys[None, :] < lens_t[:, None]).view(len(lens), 1, 1, decode_len)
             decode_mask = _additive(visible, dtype)
-    prefills = [_plan_prefill(md, i, dtype, num_cache_blocks)
-                for i, q in enumerate(md.query_lens) if q > 1]
+    prefill_rows = [i for i, q in enumerate(md.query_lens) if q > 1]
+    prefills, native = [], {}
+    if prefill_rows and native_prefill is not None:
+        native = _plan_native_prefill(md, prefill_rows, native_prefill)
+    else:
+        prefills = [_plan_prefill(md, i, dtype, num_cache_blocks) for i in prefill_rows]
     return AttentionPlan(
         slot_mapping=md.slot_mapping,
         decode_token_idx=decode_idx,
@@ -115,6 +128,22 @@ def plan_attention(md: AttentionMetadata, dtype: torch.dtype, num_cache_blocks: 
         native_decode=native_decode if decode_rows else None,
         decode_tables=decode_tables,
         decode_seq_lens=decode_seq_lens,
+        **native,
+    )
+
+
+def _plan_native_prefill(md: AttentionMetadata, rows: list[int], kernel: Callable) -> dict:
+    device = md.slot_mapping.device
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+    nb = -(-max(md.seq_lens[i] for i in rows) // md.block_size)
+    return dict(
+        native_prefill=kernel,
+        prefill_tables=md.block_tables[index, :nb].to(torch.int32),
+        prefill_query_ranges=torch.tensor(
+            [(md.query_start_loc[i], md.query_start_loc[i + 1]) for i in rows],
+            dtype=torch.int32, device=device),
+        prefill_seq_lens=torch.tensor([md.seq_lens[i] for i in rows], dtype=torch.int32,
+                                      device=device),
     )
 
 
@@ -190,6 +219,9 @@ def attend(
     out = q.new_empty(num_tokens, num_heads * head_dim)
     if decode_out is not None:
         out.index_copy_(0, plan.decode_token_idx, decode_out)
+    if plan.native_prefill is not None:
+        plan.native_prefill(q, kv_cache[0], kv_cache[1], plan.prefill_tables,
+                            plan.prefill_query_ranges, plan.prefill_seq_lens, scale, out)
     for seq in plan.prefills:
         out[seq.start : seq.end] = _prefill_attention(
             q[seq.start : seq.end], k[seq.start : seq.end], v[seq.start : seq.end],

@@ -11,7 +11,7 @@ projections, filled shard by shard by ``load_weights``::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -135,6 +135,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.packed_tied_head: PackedWeight | None = None
         self.native_ops: NativeOps | None = None  # see ``use_native_ops``
+        self.native_prefill: Callable | None = None  # its prefill attention, where it applies
         q = config.num_attention_heads * config.head_dim
         kv = config.num_key_value_heads * config.head_dim
         inter = config.intermediate_size
@@ -161,7 +162,8 @@ class LlamaForCausalLM(nn.Module):
         assert len(kv_caches) == len(self.model.layers), "one KV cache tensor per layer"
         plan = plan_attention(attn_metadata, self.model.embed_tokens.weight.dtype,
                               kv_caches[0].shape[1],
-                              self.native_ops and self.native_ops.paged_decode_attention)
+                              self.native_ops and self.native_ops.paged_decode_attention,
+                              self.native_prefill)
         cos, sin = self.model.rotary_emb.cos_sin(positions)
         h = self.model.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
@@ -172,6 +174,11 @@ class LlamaForCausalLM(nn.Module):
         """Compute attention, norms, rotary and the SiLU gate with ``tokenmill.kernels``'
         compiled ops (None: PyTorch's own, the default)."""
         self.native_ops = ops
+        # the prefill kernel computes bfloat16 heads of 64 or 128
+        self.native_prefill = (
+            ops.paged_prefill_attention
+            if ops is not None and self.model.embed_tokens.weight.dtype == torch.bfloat16
+            and self.config.head_dim in (64, 128) else None)
         for module in self.modules():
             if isinstance(module, (RMSNorm, GatedMLP, LlamaAttention)):
                 module.native = ops
