@@ -98,3 +98,29 @@ def test_bfloat16_results_round_to_nearest_even_like_pytorch(ops):
     row[0, 5] = float("nan")
     normed = ops.rms_norm(row, torch.ones(96, dtype=torch.bfloat16), 1e-5)
     assert normed[0].isnan().all() and not normed[1].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_matches_torch(ops, dtype):
+    """First index of the largest value; ties, infinities, signed zeros and NaN (larger
+    than everything) as torch.argmax answers them."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 1000, generator=gen).to(dtype)
+    x[1, 10] = x[1, 900] = 50  # a tie: the first wins
+    x[2] = float("-inf")  # all equal
+    x[2, 700] = -1e30 if dtype != torch.float16 else -6e4
+    x[3, 5], x[3, 600] = float("inf"), float("nan")
+    x[4] = -1.0
+    x[4, 300], x[4, 200] = 0.0, -0.0  # -0 == +0: the first
+    x[5] = float("-inf")  # every value the same: index 0
+    expected = x.float().argmax(dim=-1)
+    assert expected[3] == 600 and expected[4] == 200  # what torch answers
+    assert torch.equal(ops.argmax_rows(x), expected)
+    assert torch.equal(ops.argmax_rows(x[:, 3:]), x[:, 3:].float().argmax(dim=-1))  # strided
+
+
+def test_argmax_rows_rejects_bad_input(ops):
+    with pytest.raises(RuntimeError, match="rows"):
+        ops.argmax_rows(torch.zeros(3))
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        ops.argmax_rows(torch.zeros(2, 3, dtype=torch.float64))

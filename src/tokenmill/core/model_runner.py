@@ -33,7 +33,8 @@ class ModelRunner:
         shape = model.kv_cache_shape(num_kv_blocks, block_size)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                           for _ in range(model.config.num_hidden_layers)]
-        self.sampler = Sampler()
+        native = model.native_ops
+        self.sampler = Sampler(argmax=native.argmax_rows if native is not None else None)
         self.vocab_size = model.config.vocab_size
         torch.manual_seed(seed)
 
@@ -49,7 +50,7 @@ class ModelRunner:
                 rows = [index + j for index, item in sample_rows
                         for j in range(1 + len(item.draft_token_ids))]
                 items = [item for _, item in sample_rows]
-                logits = self.model.compute_logits(hidden[rows])
+                logits = self.model.compute_logits(hidden[rows], widen=False)
                 result = self.sampler(logits, self._sampling_batch(items))
                 sampled, logprobs = accept_drafts(items, result.token_ids, result.logprobs)
         return ModelRunnerOutput(sampled, logprobs, forward_time=time.monotonic() - start)

@@ -23,11 +23,17 @@ its seed, its logits and its position: never on the other rows of the batch, and
 no generator state to keep across steps, preemptions or speculative drafts. Unseeded
 rows draw from torch's default generator.
 
+Logits may come in the model's dtype (bfloat16, say): an all-greedy batch takes the
+argmax of them as they are (``argmax``: the engine's native kernel where it has one; a
+conversion to float32 is exact, so the answer is the same), everything else widens them
+to float32 first.
+
 NOTE: the sampler writes into ``logits`` in place; callers pass a tensor they no longer need.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,10 +54,13 @@ class SamplerOutput:
 
 class Sampler:
     """Every setting arrives in the ``SamplingBatch``; the only state is one scratch
-    generator per device, reseeded for each seeded row."""
+    generator per device, reseeded for each seeded row. ``argmax``: a row-wise argmax
+    for logits of any float dtype (``tokenmill.kernels``' ``argmax_rows``), or None for
+    PyTorch's, over float32."""
 
-    def __init__(self) -> None:
+    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._argmax = argmax
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -62,7 +71,9 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, "one row per request"
         if (batch.all_greedy and batch.penalties is None and batch.banned is None
                 and batch.logprob_rows is None):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * batch.num_rows)
+            tokens = (self._argmax(logits) if self._argmax is not None
+                      else logits.float().argmax(dim=-1))
+            return SamplerOutput(tokens.tolist(), [None] * batch.num_rows)
         logits = logits.float()
         raw_logprobs = (torch.log_softmax(logits[batch.logprob_rows], dim=-1)
                         if batch.logprob_rows is not None else None)

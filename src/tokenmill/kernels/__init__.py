@@ -32,7 +32,7 @@ from tokenmill.sampling_params import InvalidParameterError
 logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_decode_attention.cpp", "paged_prefill_attention.cpp",
-                             "fused_layers.cpp", "bf16_linear.cpp"))
+                             "fused_layers.cpp", "bf16_linear.cpp", "argmax_rows.cpp"))
 HEADERS = (Path(__file__).with_name("dtype_conversion.h"),)
 # Fast math: vectorized exp and reassociated sums. (The bfloat16 rounding tests NaN on the
 # bits, so a NaN still comes out a NaN.)
@@ -47,6 +47,7 @@ class NativeOps:
     rms_norm: Callable
     silu_and_mul: Callable
     rotary_store_kv: Callable
+    argmax_rows: Callable
     # bfloat16 only, None where the CPU lacks AVX512-BF16: linear layers over weights in
     # bf16_pack_weight's layout; causal prefill attention (head size 64 or 128)
     bf16_pack_weight: Callable | None
@@ -86,7 +87,8 @@ def native_ops() -> NativeOps | None:
     ops = torch.ops.tokenmill
     has_bf16 = hasattr(ops, "bf16_linear")
     return NativeOps(ops.paged_decode_attention, ops.rms_norm, ops.silu_and_mul,
-                     ops.rotary_store_kv, ops.bf16_pack_weight if has_bf16 else None,
+                     ops.rotary_store_kv, ops.argmax_rows,
+                     ops.bf16_pack_weight if has_bf16 else None,
                      ops.bf16_linear if has_bf16 else None,
                      ops.paged_prefill_attention if has_bf16 else None)
 

@@ -4,7 +4,7 @@
         -> (model, ModelConfig)
         (projections in the weight format ``weight_formats.choose_weight_format`` picks)
     model(input_ids [T], positions [T], AttentionMetadata, kv_caches) -> hidden [T, H]
-    model.compute_logits(hidden [N, H]) -> float32 logits [N, V]
+    model.compute_logits(hidden [N, H], widen=True) -> logits [N, V] (float32 when widened)
     model.kv_cache_shape(num_blocks, block_size) -> one layer's cache shape
     perplexity.perplexity(model, token_ids) -> float (accuracy of a weight format)
 

@@ -183,13 +183,17 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (RMSNorm, GatedMLP, LlamaAttention)):
                 module.native = ops
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[N, V]`` for the hidden rows ``[N, H]`` to sample from."""
+    def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:
+        """Logits ``[N, V]`` for the hidden rows ``[N, H]`` to sample from: float32, or with
+        ``widen=False`` the output head's own dtype (for a caller that widens only where it
+        computes)."""
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        if self.packed_tied_head is not None:
-            return self.packed_tied_head(hidden).float()
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
+            logits = self.lm_head(hidden)
+        elif self.packed_tied_head is not None:
+            logits = self.packed_tied_head(hidden)
+        else:
+            logits = F.linear(hidden, self.model.embed_tokens.weight)
+        return logits.float() if widen else logits
 
     def pack(self, fmt: WeightFormat) -> None:
         """Convert every projection to the weight format ``fmt`` (see ``weight_formats``);
