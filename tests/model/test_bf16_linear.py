@@ -1,6 +1,6 @@
-"""The native bfloat16 linear kernel (``tokenmill.kernels``, AVX512-BF16 hosts) against
-float64 arithmetic on the same bfloat16 values: exact products summed in float32, one
-rounding at the end."""
+"""The native linear kernels (``tokenmill.kernels``, AVX512-BF16 hosts: bfloat16 or int8
+weights, bfloat16 activations) against float64 arithmetic on the same values: exact
+products summed in float32, one rounding at the end."""
 
 from __future__ import annotations
 
@@ -84,3 +84,32 @@ def test_linear_rejects_bad_input(ops):
         ops.bf16_linear(x, packed, 64, None, torch.zeros(2, 64, dtype=BF16))
     with pytest.raises(RuntimeError, match="bfloat16"):
         ops.bf16_pack_weight(weight.float())
+
+
+@pytest.mark.parametrize("rows", [1, 13, 130])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (37, 11)])
+def test_int8_linear_matches_exact_arithmetic(ops, rows, out_features, in_features):
+    gen = torch.Generator().manual_seed(rows + out_features)
+    q = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    scales = torch.rand(out_features, generator=gen) / 100
+    x = torch.randn(rows, in_features, generator=gen).to(BF16)
+    bias = torch.randn(out_features, generator=gen).to(BF16)
+    residual = torch.randn(rows, out_features, generator=gen).to(BF16)
+    packed = ops.int8_pack_weight(q)
+    weight = q.double() * scales.double()[:, None]  # what the int8 values stand for
+
+    out = ops.int8_linear(x, packed, scales, out_features, bias, residual)
+    assert out.dtype == BF16 and out.shape == (rows, out_features)
+    assert_one_rounding(out, expected(x, weight, bias, residual), in_features)
+
+
+def test_int8_linear_rejects_bad_input(ops):
+    packed = ops.int8_pack_weight(torch.zeros(64, 32, dtype=torch.int8))
+    x = torch.randn(3, 32).to(BF16)
+    with pytest.raises(RuntimeError, match="scales"):
+        ops.int8_linear(x, packed, torch.ones(64, dtype=BF16), 64, None, None)
+    with pytest.raises(RuntimeError, match="int8_pack_weight"):  # a bfloat16 packing
+        ops.int8_linear(x, ops.bf16_pack_weight(torch.zeros(64, 32, dtype=BF16)),
+                        torch.ones(64), 64, None, None)
+    with pytest.raises(RuntimeError, match="int8"):
+        ops.int8_pack_weight(torch.zeros(64, 32))

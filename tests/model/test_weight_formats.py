@@ -23,6 +23,7 @@ from tokenmill.models.weight_formats import (
     Int4Weight,
     Int8Weight,
     NativeBF16Weight,
+    NativeInt8Weight,
     OneDNNWeight,
     choose_weight_format,
     onednn_supports,
@@ -89,17 +90,23 @@ def test_native_bf16_matches_plain_bf16(tiny_model_dir, variant, native):
     assert (got - reference).abs().mean() <= 1.25 * (plain - reference).abs().mean()
 
 
-def test_native_bf16_weights_only_where_their_kernel_runs(native):
-    """bfloat16 on the CPU with the native kernels takes them where the CPU has AVX512-BF16;
-    other dtypes, devices, and a host without the kernel keep oneDNN's (or plain) weights."""
-    without = dataclasses.replace(native, bf16_pack_weight=None, bf16_linear=None)
+def test_native_weights_only_where_their_kernels_run(native):
+    """bfloat16 (and int8) on the CPU with the native kernels takes them where the CPU has
+    AVX512-BF16; other dtypes, devices, and a host without the kernels keep oneDNN's, plain
+    or PyTorch's int8 weights."""
+    without = dataclasses.replace(native, bf16_pack_weight=None, bf16_linear=None,
+                                  int8_pack_weight=None, int8_linear=None)
     assert choose_weight_format(BF16, CPU, "none", without) is choose_weight_format(BF16, CPU)
+    assert choose_weight_format(BF16, CPU, "int8", without) is Int8Weight
     assert choose_weight_format(torch.float32, CPU, "none", native) is OneDNNWeight
     assert choose_weight_format(BF16, torch.device("cuda"), "none", native) is None
-    assert choose_weight_format(BF16, CPU, "int8", native) is Int8Weight
+    assert choose_weight_format(BF16, CPU, "int4", native) is Int4Weight
     if native.bf16_linear is not None:
+        weight = torch.zeros(32, 16, dtype=BF16)
         fmt = choose_weight_format(BF16, CPU, "none", native)
-        assert isinstance(fmt(torch.zeros(32, 16, dtype=BF16), None), NativeBF16Weight)
+        assert isinstance(fmt(weight, None), NativeBF16Weight)
+        fmt = choose_weight_format(BF16, CPU, "int8", native)
+        assert isinstance(fmt(weight, None), NativeInt8Weight)
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen2"])
@@ -114,11 +121,16 @@ def test_onednn_float32_matches_plain_float32(tiny_model_dir, variant):
                                atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kernels", ["torch", "native"])
 @pytest.mark.parametrize("variant", ["llama", "llama_untied", "qwen2"])
-def test_int8_weights_match_bf16_within_quantization_error(tiny_model_dir, variant):
+def test_int8_weights_match_bf16_within_quantization_error(tiny_model_dir, variant, kernels,
+                                                           request):
+    native = request.getfixturevalue("native") if kernels == "native" else None
+    if native is not None and native.int8_linear is None:
+        pytest.skip("this CPU has no AVX512-BF16: int8 takes PyTorch's kernel")
     model_dir = tiny_model_dir(variant)
-    quantized, _ = load_model(model_dir, BF16, CPU, "int8")
-    assert packed_formats(quantized) == {Int8Weight}
+    quantized, _ = load_model(model_dir, BF16, CPU, "int8", native)
+    assert packed_formats(quantized) == {NativeInt8Weight if native else Int8Weight}
     got = mixed_batch_logits(quantized).float()
     reference = mixed_batch_logits(unpacked_model(model_dir, torch.float32))
     torch.testing.assert_close(got, reference, atol=0.15, rtol=0.05)
@@ -181,15 +193,16 @@ def test_quantization_rejects_what_it_cannot_run(dtype, device, message, quantiz
 
 
 @pytest.mark.slow
-def test_quantized_perplexity_of_smollm2_within_two_percent():
+def test_quantized_perplexity_of_smollm2_within_two_percent(native):
     """The accuracy int8 and int4 cost, bounded: the embedded model on a fixed
-    public-domain text."""
+    public-domain text, computed as the engine computes it (native kernels where they
+    run)."""
     with open(TEXT, encoding="utf-8") as f:
         token_ids = load_tokenizer(None).encode(f.read())
     assert len(token_ids) > 500
     exact = perplexity(load_model(None, torch.float32, CPU)[0], token_ids)
     assert 5 < exact < 20  # the model reads English: a sanity bound on the measure itself
     for quantization in ("int8", "int4"):
-        quantized = perplexity(load_model(None, BF16, CPU, quantization)[0], token_ids)
+        quantized = perplexity(load_model(None, BF16, CPU, quantization, native)[0], token_ids)
         assert quantized <= exact * 1.02, (
             f"{quantization} perplexity {quantized:.3f} vs {exact:.3f}")

@@ -48,10 +48,13 @@ class NativeOps:
     silu_and_mul: Callable
     rotary_store_kv: Callable
     argmax_rows: Callable
-    # bfloat16 only, None where the CPU lacks AVX512-BF16: linear layers over weights in
-    # bf16_pack_weight's layout; causal prefill attention (head size 64 or 128)
+    # bfloat16 activations only, None where the CPU lacks AVX512-BF16: linear layers over
+    # bfloat16 or int8 weights in bf16_pack_weight's / int8_pack_weight's layout; causal
+    # prefill attention (head size 64 or 128)
     bf16_pack_weight: Callable | None
     bf16_linear: Callable | None
+    int8_pack_weight: Callable | None
+    int8_linear: Callable | None
     paged_prefill_attention: Callable | None
 
 
@@ -85,12 +88,11 @@ def native_ops() -> NativeOps | None:
                        str(error).splitlines()[0] if str(error) else type(error).__name__)
         return None
     ops = torch.ops.tokenmill
-    has_bf16 = hasattr(ops, "bf16_linear")
+    bf16 = {name: getattr(ops, name) if hasattr(ops, "bf16_linear") else None
+            for name in ("bf16_pack_weight", "bf16_linear", "int8_pack_weight", "int8_linear",
+                         "paged_prefill_attention")}
     return NativeOps(ops.paged_decode_attention, ops.rms_norm, ops.silu_and_mul,
-                     ops.rotary_store_kv, ops.argmax_rows,
-                     ops.bf16_pack_weight if has_bf16 else None,
-                     ops.bf16_linear if has_bf16 else None,
-                     ops.paged_prefill_attention if has_bf16 else None)
+                     ops.rotary_store_kv, ops.argmax_rows, **bf16)
 
 
 def choose_kernels(choice: str, device: torch.device) -> NativeOps | None:

@@ -20,6 +20,10 @@ head) converts its plain ``[out, in]`` weight into it once:
   (weight-only: a quarter of float32's bytes to read per decode step). Activations stay
   in floating point because quantizing them too (dynamic int8, per tensor or per row)
   raised the embedded model's perplexity by 5 to 12%; weight-only int8 costs 0.2%.
+- ``NativeInt8Weight``: the same int8 weights and scales (float32 scales) for the native
+  ``int8_linear`` kernel, where the engine has it (AVX512-BF16): the bfloat16 kernel's
+  panels with int8 elements, widened in registers; 1.5x the bfloat16 kernel's speed at
+  one row, 2 to 2.4x PyTorch's int8 kernel.
 - ``Int4Weight``: ``--quantization int4``, CPU, bfloat16 activations. Weights are 4-bit
   with a scale and a zero per 32 inputs (asymmetric: the group's minimum and maximum map
   to 0 and 15), the layout of a GGUF file's Q4_1 blocks: from such a file's dequantized
@@ -76,13 +80,19 @@ class NativeBF16Weight:
         return self.linear(x, self.packed, self.out_features, self.bias, residual)
 
 
+def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 ``q``, float32 ``scales``) with ``weight ~= q * scales[:, None]``, symmetric:
+    each row's largest magnitude maps to 127."""
+    weight = weight.float()
+    scales = (weight.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    return (weight / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8), scales
+
+
 class Int8Weight:
     """int8 weights, one scale per output row (symmetric), bfloat16 activations."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        weight = weight.float()
-        scales = (weight.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
-        self.weight = (weight / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        self.weight, scales = quantize_int8_rows(weight)
         self.scales = scales.to(torch.bfloat16)
         self.bias = bias
 
@@ -92,6 +102,24 @@ class Int8Weight:
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self(x).add_(residual)
+
+
+class NativeInt8Weight:
+    """``Int8Weight``'s quantization for the native ``int8_linear`` kernel (needs
+    ``ops.int8_linear``); the scales stay float32."""
+
+    def __init__(self, ops: NativeOps, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.linear = ops.int8_linear
+        self.out_features = weight.shape[0]
+        q, self.scales = quantize_int8_rows(weight)
+        self.packed = ops.int8_pack_weight(q)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.packed, self.scales, self.out_features, self.bias, None)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.packed, self.scales, self.out_features, self.bias, residual)
 
 
 class Int4Weight:
@@ -132,7 +160,7 @@ class Int4Weight:
         return self(x).add_(residual)
 
 
-PackedWeight = OneDNNWeight | NativeBF16Weight | Int8Weight | Int4Weight
+PackedWeight = OneDNNWeight | NativeBF16Weight | Int8Weight | NativeInt8Weight | Int4Weight
 # A format is called as ``fmt(weight, bias)`` and returns the packed projection.
 WeightFormat = Callable[[torch.Tensor, torch.Tensor | None], PackedWeight]
 
@@ -157,7 +185,11 @@ def choose_weight_format(dtype: torch.dtype, device: torch.device, quantization:
             raise InvalidParameterError(
                 f"--quantization {quantization} computes in bfloat16: use --dtype auto or "
                 "bfloat16", "quantization")
-        return Int8Weight if quantization == "int8" else Int4Weight
+        if quantization == "int4":
+            return Int4Weight
+        if native is not None and native.int8_linear is not None:
+            return functools.partial(NativeInt8Weight, native)
+        return Int8Weight
     assert quantization == "none", "EngineConfig validates the name"
     if (device.type == "cpu" and dtype == torch.bfloat16 and native is not None
             and native.bf16_linear is not None):
