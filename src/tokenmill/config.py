@@ -41,7 +41,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
     kv_cache_memory: str | int = "1GiB"
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 256
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0

@@ -48,6 +48,12 @@ def cpu_has_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX-BF16 tiles (oneDNN's fastest bfloat16 matrix products)."""
+    flags = cpu_flags()
+    return "amx_bf16" in flags if flags else torch.cpu._is_amx_tile_supported()
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from ``/proc/cpuinfo``; empty where there is none (not Linux)."""

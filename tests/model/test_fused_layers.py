@@ -124,3 +124,35 @@ def test_argmax_rows_rejects_bad_input(ops):
         ops.argmax_rows(torch.zeros(3))
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
         ops.argmax_rows(torch.zeros(2, 3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sample_rows_inverts_the_cumulative_distribution(ops, dtype):
+    """At u = (k + 0.5) / K, K evenly spaced points, each token is picked about
+    p * K times (p = softmax(logits / t)); tokens of probability 0 never, and the
+    answer for each u is the one PyTorch's cumsum and searchsorted give, but where
+    their float32 sums round differently at a boundary."""
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(1, 300, generator=gen) * 2).to(dtype)
+    logits[0, 7] = float("-inf")  # probability 0
+    points = 4000
+    u = (torch.arange(points, dtype=torch.float32) + 0.5) / points
+    for temperature in (1.0, 0.5):
+        rows = logits.expand(points, -1).contiguous()
+        picked = ops.sample_rows(rows, torch.full((points,), temperature), u)
+        cdf = (logits.float() / temperature).softmax(-1).cumsum(-1)
+        expected = torch.searchsorted(cdf.expand(points, -1).contiguous(),
+                                      (u * cdf[0, -1]).unsqueeze(1), right=True).squeeze(1)
+        assert (picked != expected).sum() <= 3
+        assert not (picked == 7).any()
+        counts = torch.bincount(picked, minlength=300).float()
+        probs = (logits.float() / temperature).softmax(-1)[0]
+        assert (counts - probs * points).abs().max() <= 2
+
+
+def test_sample_rows_rejects_bad_input(ops):
+    logits = torch.zeros(2, 10)
+    with pytest.raises(RuntimeError, match="one per row"):
+        ops.sample_rows(logits, torch.ones(3), torch.zeros(2))
+    with pytest.raises(RuntimeError, match="positive"):
+        ops.sample_rows(logits, torch.tensor([1.0, 0.0]), torch.zeros(2))

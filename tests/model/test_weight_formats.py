@@ -74,9 +74,10 @@ def test_onednn_bf16_matches_plain_bf16(tiny_model_dir, variant):
 
 
 @pytest.mark.parametrize("variant", ["llama", "llama_untied", "qwen2"])
-def test_native_bf16_matches_plain_bf16(tiny_model_dir, variant, native):
+def test_native_bf16_matches_plain_bf16(tiny_model_dir, variant, native, monkeypatch):
     if native.bf16_linear is None:
         pytest.skip("this CPU has no AVX512-BF16: the native bfloat16 kernel is not built")
+    monkeypatch.setattr(weight_formats, "cpu_has_amx", lambda: False)  # AMX keeps oneDNN
     model_dir = tiny_model_dir(variant)
     packed, _ = load_model(model_dir, BF16, CPU, native=native)
     assert packed_formats(packed) == {NativeBF16Weight}
@@ -90,10 +91,11 @@ def test_native_bf16_matches_plain_bf16(tiny_model_dir, variant, native):
     assert (got - reference).abs().mean() <= 1.25 * (plain - reference).abs().mean()
 
 
-def test_native_weights_only_where_their_kernels_run(native):
+def test_native_weights_only_where_their_kernels_run(native, monkeypatch):
     """bfloat16 (and int8) on the CPU with the native kernels takes them where the CPU has
-    AVX512-BF16; other dtypes, devices, and a host without the kernels keep oneDNN's, plain
-    or PyTorch's int8 weights."""
+    AVX512-BF16 (bfloat16: and no AMX); other dtypes, devices, and a host without the
+    kernels keep oneDNN's, plain or PyTorch's int8 weights."""
+    monkeypatch.setattr(weight_formats, "cpu_has_amx", lambda: False)
     without = dataclasses.replace(native, bf16_pack_weight=None, bf16_linear=None,
                                   int8_pack_weight=None, int8_linear=None)
     assert choose_weight_format(BF16, CPU, "none", without) is choose_weight_format(BF16, CPU)
@@ -107,6 +109,8 @@ def test_native_weights_only_where_their_kernels_run(native):
         assert isinstance(fmt(weight, None), NativeBF16Weight)
         fmt = choose_weight_format(BF16, CPU, "int8", native)
         assert isinstance(fmt(weight, None), NativeInt8Weight)
+        monkeypatch.setattr(weight_formats, "cpu_has_amx", lambda: True)  # AMX: oneDNN's
+        assert choose_weight_format(BF16, CPU, "none", native) is choose_weight_format(BF16, CPU)
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen2"])

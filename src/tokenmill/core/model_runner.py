@@ -34,7 +34,8 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                           for _ in range(model.config.num_hidden_layers)]
         native = model.native_ops
-        self.sampler = Sampler(argmax=native.argmax_rows if native is not None else None)
+        self.sampler = (Sampler(argmax=native.argmax_rows, sample=native.sample_rows)
+                        if native is not None else Sampler())
         self.vocab_size = model.config.vocab_size
         torch.manual_seed(seed)
 

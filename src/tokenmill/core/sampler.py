@@ -25,8 +25,10 @@ rows draw from torch's default generator.
 
 Logits may come in the model's dtype (bfloat16, say): an all-greedy batch takes the
 argmax of them as they are (``argmax``: the engine's native kernel where it has one; a
-conversion to float32 is exact, so the answer is the same), everything else widens them
-to float32 first.
+conversion to float32 is exact, so the answer is the same), and with the engine's native
+``sample`` kernel a batch that uses nothing but temperatures samples them as they are
+(the same inversion of the cumulative distribution at the same u, in one pass over each
+row); everything else widens them to float32 first.
 
 NOTE: the sampler writes into ``logits`` in place; callers pass a tensor they no longer need.
 """
@@ -56,11 +58,15 @@ class Sampler:
     """Every setting arrives in the ``SamplingBatch``; the only state is one scratch
     generator per device, reseeded for each seeded row. ``argmax``: a row-wise argmax
     for logits of any float dtype (``tokenmill.kernels``' ``argmax_rows``), or None for
-    PyTorch's, over float32."""
+    PyTorch's, over float32; ``sample``: ``tokenmill.kernels``' ``sample_rows``, for
+    batches that use nothing but temperatures, or None."""
 
-    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 sample: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+                 | None = None) -> None:
         self._generators: dict[torch.device, torch.Generator] = {}
         self._argmax = argmax
+        self._sample_native = sample  # (logits, temperature [B], u [B]) -> token ids
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -69,10 +75,16 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, "one row per request"
-        if (batch.all_greedy and batch.penalties is None and batch.banned is None
-                and batch.logprob_rows is None):
-            tokens = (self._argmax(logits) if self._argmax is not None
-                      else logits.float().argmax(dim=-1))
+        plain = batch.penalties is None and batch.banned is None and batch.logprob_rows is None
+        if plain and batch.all_greedy:
+            return SamplerOutput(self._greedy(logits).tolist(), [None] * batch.num_rows)
+        if (plain and self._sample_native is not None and batch.min_p is None
+                and batch.top_k is None and batch.top_p_rows is None):
+            assert batch.temperature is not None, "built whenever a row samples"
+            tokens = self._sample_native(logits, batch.temperature.view(-1),
+                                         self._uniforms(batch, logits.device).view(-1))
+            if batch.greedy is not None:
+                tokens = torch.where(batch.greedy, self._greedy(logits), tokens)
             return SamplerOutput(tokens.tolist(), [None] * batch.num_rows)
         logits = logits.float()
         raw_logprobs = (torch.log_softmax(logits[batch.logprob_rows], dim=-1)
@@ -87,6 +99,20 @@ class Sampler:
             tokens = self._sample(logits, batch)
         token_ids = tokens.tolist()
         return SamplerOutput(token_ids, _gather_logprobs(raw_logprobs, token_ids, batch))
+
+    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        return self._argmax(logits) if self._argmax is not None else logits.float().argmax(-1)
+
+    def _uniforms(self, batch: SamplingBatch, device: torch.device) -> torch.Tensor:
+        """``[B, 1]``: each sampling row's u in [0, 1), from its seed where it has one."""
+        u = torch.empty(batch.num_rows, 1, device=device)
+        if batch.any_unseeded:
+            u.uniform_()
+        for row, seed in batch.seeded:
+            generator = self._generator(device)
+            generator.manual_seed(seed)
+            u[row].uniform_(generator=generator)
+        return u
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         greedy_tokens = logits.argmax(dim=-1) if batch.greedy is not None else None
@@ -103,13 +129,7 @@ class Sampler:
             assert batch.top_p is not None
             _apply_top_p(logits, batch.top_p_rows, batch.top_p)
         cdf = logits.softmax(dim=-1).cumsum_(dim=-1)
-        u = cdf.new_empty(cdf.shape[0], 1)
-        if batch.any_unseeded:
-            u.uniform_()
-        for row, seed in batch.seeded:
-            generator = self._generator(u.device)
-            generator.manual_seed(seed)
-            u[row].uniform_(generator=generator)
+        u = self._uniforms(batch, cdf.device)
         # NOTE: the point stays below the total (u < 1, and rounding is capped), so some
         # entry lies above it; right=True skips the entries of probability 0 (equal to the
         # sum before them).

@@ -32,7 +32,8 @@ from tokenmill.sampling_params import InvalidParameterError
 logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_decode_attention.cpp", "paged_prefill_attention.cpp",
-                             "fused_layers.cpp", "bf16_linear.cpp", "argmax_rows.cpp"))
+                             "fused_layers.cpp", "bf16_linear.cpp", "argmax_rows.cpp",
+                             "sample_rows.cpp"))
 HEADERS = (Path(__file__).with_name("dtype_conversion.h"),)
 # Fast math: vectorized exp and reassociated sums. (The bfloat16 rounding tests NaN on the
 # bits, so a NaN still comes out a NaN.)
@@ -48,6 +49,7 @@ class NativeOps:
     silu_and_mul: Callable
     rotary_store_kv: Callable
     argmax_rows: Callable
+    sample_rows: Callable
     # bfloat16 activations only, None where the CPU lacks AVX512-BF16: linear layers over
     # bfloat16 or int8 weights in bf16_pack_weight's / int8_pack_weight's layout; causal
     # prefill attention (head size 64 or 128)
@@ -92,7 +94,7 @@ def native_ops() -> NativeOps | None:
             for name in ("bf16_pack_weight", "bf16_linear", "int8_pack_weight", "int8_linear",
                          "paged_prefill_attention")}
     return NativeOps(ops.paged_decode_attention, ops.rms_norm, ops.silu_and_mul,
-                     ops.rotary_store_kv, ops.argmax_rows, **bf16)
+                     ops.rotary_store_kv, ops.argmax_rows, ops.sample_rows, **bf16)
 
 
 def choose_kernels(choice: str, device: torch.device) -> NativeOps | None:

@@ -4,12 +4,13 @@ After loading, ``choose_weight_format(dtype, device, quantization, native)`` nam
 fastest exact-enough form this host supports, and every ``Linear`` (and the tied output
 head) converts its plain ``[out, in]`` weight into it once:
 
-- ``NativeBF16Weight``: bfloat16 on a CPU with AVX512-BF16, with the engine's native
-  kernels (``tokenmill.kernels``): panels of 32 outputs in VDPBF16PS's pair layout. Same
-  arithmetic as oneDNN's bfloat16 kernels (exact products summed in float32, one rounding),
-  faster at every batch size up to a few hundred rows: it reads the weight once per call
-  and keeps memory streaming while it computes (1.2 to 1.6x oneDNN's speed at 1 to 64
-  rows, equal at 512).
+- ``NativeBF16Weight``: bfloat16 on a CPU with AVX512-BF16 but no AMX, with the engine's
+  native kernels (``tokenmill.kernels``): panels of 32 outputs in VDPBF16PS's pair
+  layout. Same arithmetic as oneDNN's bfloat16 kernels (exact products summed in float32,
+  one rounding), faster at every batch size up to a few hundred rows: it reads the weight
+  once per call and keeps memory streaming while it computes (1.2 to 1.6x oneDNN's speed
+  at 1 to 64 rows, equal at 512). A CPU with AMX keeps oneDNN, whose AMX tiles multiply
+  a prefill's rows several times faster than VDPBF16PS can.
 - ``OneDNNWeight``: oneDNN's blocked layout, for the CPU in float32, bfloat16 or float16.
   Same arithmetic as ``F.linear`` (one product and sum per output, in the dtype), about
   twice as fast for the small batches of decoding. Only where oneDNN can reorder the
@@ -44,6 +45,7 @@ from collections.abc import Callable
 import torch
 
 from tokenmill.kernels import NativeOps
+from tokenmill.platform import cpu_has_amx
 from tokenmill.sampling_params import InvalidParameterError
 
 BF16 = torch.bfloat16
@@ -192,7 +194,7 @@ def choose_weight_format(dtype: torch.dtype, device: torch.device, quantization:
         return Int8Weight
     assert quantization == "none", "EngineConfig validates the name"
     if (device.type == "cpu" and dtype == torch.bfloat16 and native is not None
-            and native.bf16_linear is not None):
+            and native.bf16_linear is not None and not cpu_has_amx()):
         return functools.partial(NativeBF16Weight, native)
     if device.type == "cpu" and onednn_supports(dtype):
         return OneDNNWeight
