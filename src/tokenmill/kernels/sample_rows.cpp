@@ -65,8 +65,12 @@ void sample_kernel(const at::Tensor& logits, const float* temperature, const flo
         cum += e[i];
         if (cum > point) break;
       }
-      while (pick < 0 || e[pick] == 0.f) pick = pick < 0 ? n - 1 : pick - 1;  // the max has 1
-      out[r] = pick;
+      // (a block of weights all 0 cannot be chosen: the row's maximum weighs 1; logits
+      // with NaN or +inf give NaN weights, and then the last token)
+      for (int64_t i = n - 1; pick < 0 && i >= 0; --i) {
+        if (e[i] > 0.f) pick = i;
+      }
+      out[r] = pick < 0 ? n - 1 : pick;
     }
   });
 }
