@@ -1,11 +1,13 @@
-"""The native linear kernels (``tokenmill.kernels``, AVX512-BF16 hosts: bfloat16 or int8
-weights, bfloat16 activations) against float64 arithmetic on the same values: exact
+"""The native linear kernels (``tokenmill.kernels``, AVX512-BF16 hosts: bfloat16, int8 or
+int4 weights, bfloat16 activations) against float64 arithmetic on the same values: exact
 products summed in float32, one rounding at the end."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from tokenmill.models.weight_formats import NativeInt4Weight
 
 BF16 = torch.bfloat16
 
@@ -113,3 +115,32 @@ def test_int8_linear_rejects_bad_input(ops):
                         torch.ones(64), 64, None, None)
     with pytest.raises(RuntimeError, match="int8"):
         ops.int8_pack_weight(torch.zeros(64, 32))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 130])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (37, 96)])
+def test_int4_linear_matches_exact_arithmetic(ops, rows, out_features, in_features):
+    """NativeInt4Weight packs; the kernel computes with the values it stands for,
+    q * scale + min per group of 32 inputs."""
+    gen = torch.Generator().manual_seed(rows + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen) / 10
+    fmt = NativeInt4Weight(ops, weight, torch.randn(out_features, generator=gen).to(BF16))
+    groups = weight.view(out_features, -1, NativeInt4Weight.GROUP)
+    low = groups.amin(-1, keepdim=True)
+    step = (groups.amax(-1, keepdim=True) - low) / 15
+    stands_for = (((groups - low) / step).round().clamp(0, 15) * step + low).view_as(weight)
+    x = torch.randn(rows, in_features, generator=gen).to(BF16)
+    residual = torch.randn(rows, out_features, generator=gen).to(BF16)
+    assert_one_rounding(fmt.add(x, residual),
+                        expected(x, stands_for, fmt.bias, residual), in_features)
+
+
+def test_int4_linear_rejects_bad_input(ops):
+    fmt = NativeInt4Weight(ops, torch.randn(64, 64), None)
+    x = torch.randn(3, 64).to(BF16)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.int4_linear(x[:, :48], fmt.packed, fmt.scales, fmt.mins, 64, None, None)
+    with pytest.raises(RuntimeError, match="scales and mins"):
+        ops.int4_linear(x, fmt.packed, fmt.scales[:, :1], fmt.mins, 64, None, None)
+    with pytest.raises(RuntimeError, match="int4 packing"):
+        ops.int4_linear(x, fmt.packed.view(torch.int8), fmt.scales, fmt.mins, 64, None, None)

@@ -4,6 +4,7 @@ precision, and the host's support decides which one a model gets."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import json
 import os
@@ -23,9 +24,11 @@ from tokenmill.models.weight_formats import (
     Int4Weight,
     Int8Weight,
     NativeBF16Weight,
+    NativeInt4Weight,
     NativeInt8Weight,
     OneDNNWeight,
     choose_weight_format,
+    head_format,
     onednn_supports,
 )
 from tokenmill.sampling_params import InvalidParameterError
@@ -97,18 +100,21 @@ def test_native_weights_only_where_their_kernels_run(native, monkeypatch):
     kernels keep oneDNN's, plain or PyTorch's int8 weights."""
     monkeypatch.setattr(weight_formats, "cpu_has_amx", lambda: False)
     without = dataclasses.replace(native, bf16_pack_weight=None, bf16_linear=None,
-                                  int8_pack_weight=None, int8_linear=None)
+                                  int8_pack_weight=None, int8_linear=None, int4_linear=None)
     assert choose_weight_format(BF16, CPU, "none", without) is choose_weight_format(BF16, CPU)
     assert choose_weight_format(BF16, CPU, "int8", without) is Int8Weight
+    assert choose_weight_format(BF16, CPU, "int4", without) is Int4Weight
     assert choose_weight_format(torch.float32, CPU, "none", native) is OneDNNWeight
     assert choose_weight_format(BF16, torch.device("cuda"), "none", native) is None
-    assert choose_weight_format(BF16, CPU, "int4", native) is Int4Weight
     if native.bf16_linear is not None:
-        weight = torch.zeros(32, 16, dtype=BF16)
+        weight = torch.zeros(32, 64, dtype=BF16)
         fmt = choose_weight_format(BF16, CPU, "none", native)
         assert isinstance(fmt(weight, None), NativeBF16Weight)
         fmt = choose_weight_format(BF16, CPU, "int8", native)
         assert isinstance(fmt(weight, None), NativeInt8Weight)
+        fmt = choose_weight_format(BF16, CPU, "int4", native)
+        assert isinstance(fmt(weight, None), NativeInt4Weight)
+        assert isinstance(head_format(fmt)(weight, None), NativeInt8Weight)  # 8-bit head
         monkeypatch.setattr(weight_formats, "cpu_has_amx", lambda: True)  # AMX: oneDNN's
         assert choose_weight_format(BF16, CPU, "none", native) is choose_weight_format(BF16, CPU)
 
@@ -140,20 +146,32 @@ def test_int8_weights_match_bf16_within_quantization_error(tiny_model_dir, varia
     torch.testing.assert_close(got, reference, atol=0.15, rtol=0.05)
 
 
+@pytest.mark.parametrize("kernels", ["torch", "native"])
 @pytest.mark.parametrize("variant", ["llama", "llama_untied", "qwen2"])
-def test_int4_weights_match_bf16_within_quantization_error(tiny_model_dir, variant):
+def test_int4_weights_match_bf16_within_quantization_error(tiny_model_dir, variant, kernels,
+                                                           request):
+    native = request.getfixturevalue("native") if kernels == "native" else None
+    if native is not None and native.int4_linear is None:
+        pytest.skip("this CPU has no AVX512-BF16: int4 takes PyTorch's kernel")
     model_dir = tiny_model_dir(variant)
-    quantized, _ = load_model(model_dir, BF16, CPU, "int4")
-    assert packed_formats(quantized) == {Int4Weight, Int8Weight}  # the head keeps 8 bits
+    quantized, _ = load_model(model_dir, BF16, CPU, "int4", native)
+    # the head keeps 8 bits
+    assert packed_formats(quantized) == ({NativeInt4Weight, NativeInt8Weight} if native
+                                         else {Int4Weight, Int8Weight})
     got = mixed_batch_logits(quantized).float()
     reference = mixed_batch_logits(unpacked_model(model_dir, torch.float32))
     # 4 bits on random weights: a coarse bound, far below what a wrong kernel gives
     torch.testing.assert_close(got, reference, atol=0.8, rtol=0.1)
 
 
-def test_int4_recovers_the_4_bit_values_of_q4_1_blocks():
+@pytest.mark.parametrize("kernels", ["torch", "native"])
+def test_int4_recovers_the_4_bit_values_of_q4_1_blocks(kernels, request):
     """Weights dequantized from GGUF Q4_1 blocks (fp16 scale d and minimum m per 32 inputs,
-    w = d * q + m) come back as the same q: only d and m are rounded to bfloat16."""
+    w = d * q + m) come back as the same q: PyTorch's kernel rounds d and m to bfloat16,
+    the native one keeps them."""
+    native = request.getfixturevalue("native") if kernels == "native" else None
+    if native is not None and native.int4_linear is None:
+        pytest.skip("this CPU has no AVX512-BF16: int4 takes PyTorch's kernel")
     gen = torch.Generator().manual_seed(0)
     out_features, in_features = 48, 96
     groups = in_features // Int4Weight.GROUP
@@ -163,16 +181,21 @@ def test_int4_recovers_the_4_bit_values_of_q4_1_blocks():
     # a block's minimum is about -7.5 steps: its weights straddle 0
     m = (-7.5 * d + torch.randn(out_features, groups, 1, generator=gen) * d).half().float()
     weight = (d * q + m).view(out_features, in_features)
-    dequantized = Int4Weight(weight, None)(torch.eye(in_features, dtype=BF16)).float().t()
+    fmt = Int4Weight if native is None else functools.partial(NativeInt4Weight, native)
+    dequantized = fmt(weight, None)(torch.eye(in_features, dtype=BF16)).float().t()
     step = d.expand(-1, -1, Int4Weight.GROUP).reshape(out_features, in_features)
     assert ((dequantized - weight).abs() / step).max() < 0.1  # bfloat16 rounding, not a step
 
 
-def test_int4_rejects_shapes_its_kernel_cannot_pack():
+def test_int4_rejects_shapes_its_kernel_cannot_pack(native):
     with pytest.raises(InvalidParameterError, match="use int8"):
         Int4Weight(torch.zeros(16, 48), None)  # 48 inputs: not a multiple of 32
     with pytest.raises(InvalidParameterError, match="use int8"):
         Int4Weight(torch.zeros(24, 64), None)  # 24 outputs: not a multiple of 16
+    if native.int4_linear is not None:
+        with pytest.raises(InvalidParameterError, match="use int8"):
+            NativeInt4Weight(native, torch.zeros(16, 48), None)
+        assert NativeInt4Weight(native, torch.zeros(24, 64), None).packed.shape[0] == 1
 
 
 def test_without_onednn_support_weights_stay_plain(tiny_model_dir, monkeypatch):

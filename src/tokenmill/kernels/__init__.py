@@ -51,12 +51,13 @@ class NativeOps:
     argmax_rows: Callable
     sample_rows: Callable
     # bfloat16 activations only, None where the CPU lacks AVX512-BF16: linear layers over
-    # bfloat16 or int8 weights in bf16_pack_weight's / int8_pack_weight's layout; causal
-    # prefill attention (head size 64 or 128)
+    # bfloat16, int8 or int4 weights in bf16_pack_weight's / int8_pack_weight's /
+    # weight_formats.NativeInt4Weight's layout; causal prefill attention (head size 64 or 128)
     bf16_pack_weight: Callable | None
     bf16_linear: Callable | None
     int8_pack_weight: Callable | None
     int8_linear: Callable | None
+    int4_linear: Callable | None
     paged_prefill_attention: Callable | None
 
 
@@ -92,7 +93,7 @@ def native_ops() -> NativeOps | None:
     ops = torch.ops.tokenmill
     bf16 = {name: getattr(ops, name) if hasattr(ops, "bf16_linear") else None
             for name in ("bf16_pack_weight", "bf16_linear", "int8_pack_weight", "int8_linear",
-                         "paged_prefill_attention")}
+                         "int4_linear", "paged_prefill_attention")}
     return NativeOps(ops.paged_decode_attention, ops.rms_norm, ops.silu_and_mul,
                      ops.rotary_store_kv, ops.argmax_rows, ops.sample_rows, **bf16)
 

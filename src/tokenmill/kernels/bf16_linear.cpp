@@ -40,6 +40,7 @@
 #include <array>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <utility>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -57,7 +58,10 @@ int64_t panels_for(int64_t n) { return (n + kPanel - 1) / kPanel; }
 // read into two VDPBF16PS operands (outputs 0-15 and 16-31 of the panel).
 struct BF16Weights {
   using Elem = uint16_t;
+  static constexpr int kMaxRows = 12;  // rows per micro-kernel call: 2 x 12 accumulators
+  static constexpr int64_t kRecord = 64;  // elements per pair record
   static constexpr int kLines = 2;  // cache lines per record
+  static constexpr int64_t kPackedDims = 5;  // [panels, K / 2, 2, 16, 2]
   static inline void load(const Elem* record, __m512bh& w0, __m512bh& w1) {
     w0 = (__m512bh)_mm512_loadu_si512(record);
     w1 = (__m512bh)_mm512_loadu_si512(record + 32);
@@ -66,7 +70,10 @@ struct BF16Weights {
 
 struct Int8Weights {
   using Elem = int8_t;
+  static constexpr int kMaxRows = 12;
+  static constexpr int64_t kRecord = 64;
   static constexpr int kLines = 1;
+  static constexpr int64_t kPackedDims = 5;
   // 16 int8 (8 lanes' pairs) -> float32, exact
   static inline __m512 widen(const Elem* src) {
     return _mm512_cvtepi32_ps(
@@ -76,6 +83,37 @@ struct Int8Weights {
   static inline void load(const Elem* record, __m512bh& w0, __m512bh& w1) {
     w0 = _mm512_cvtne2ps_pbh(widen(record + 16), widen(record));
     w1 = _mm512_cvtne2ps_pbh(widen(record + 48), widen(record + 32));
+  }
+};
+
+// 4-bit weights in groups of kGroup inputs, each (output, group) with a float32 scale and
+// minimum: w = q * scale + min, q in 0..15. A record holds its 64 values in 32 bytes,
+// byte (half, lane) = q[2 kp] | q[2 kp + 1] << 4; packed by the caller (int4_linear).
+// The products run on q (exact in bfloat16) and each group's sum is scaled and shifted:
+// sum_k x_k w_k = scale * sum_k x_k q_k + min * sum_k x_k.
+struct Int4Weights {
+  using Elem = uint8_t;
+  static constexpr int kMaxRows = 6;  // 2 x 6 group sums + 2 x 6 totals in registers
+  static constexpr int64_t kRecord = 32;
+  static constexpr int kLines = 1;
+  static constexpr int64_t kPackedDims = 4;  // [panels, K / 2, 2, 16]
+  static constexpr int64_t kGroup = 32;
+  static inline void load(const Elem* record, __m512bh& w0, __m512bh& w1) {
+    // bfloat16 bits of 0.0 .. 15.0, looked up by each 16-bit index
+    const __m512i table = _mm512_set_epi16(
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160, 0x4150, 0x4140,
+        0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000,
+        0x3f80, 0x0000);
+    __m512bh* out[2] = {&w0, &w1};
+    for (int h = 0; h < 2; ++h) {
+      const __m512i bytes = _mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(record + 16 * h)));
+      // 16-bit indexes: low half the low nibble (input 2 kp), high half the high one
+      const __m512i index = _mm512_or_si512(
+          _mm512_and_si512(bytes, _mm512_set1_epi32(0xf)),
+          _mm512_slli_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(0xf0)), 12));
+      *out[h] = (__m512bh)_mm512_permutexvar_epi16(index, table);
+    }
   }
 };
 
@@ -147,19 +185,20 @@ inline void panel_kernel(const uint16_t* x, int64_t x_stride, int64_t k,
   for (int64_t kp = 0, turn = ahead.pass; kp < pairs; ++kp, ++turn) {
     if (turn == ahead.passes) turn = 0;
     if (ahead.panel && turn == 0) {
-      const char* record = reinterpret_cast<const char*>(ahead.panel + kp * 64);
+      const char* record = reinterpret_cast<const char*>(ahead.panel + kp * W::kRecord);
       for (int line = 0; line < W::kLines; ++line) {
         _mm_prefetch(record + 64 * line, _MM_HINT_T1);
       }
     }
-    multiply_pair<W, ROWS>(x, x_stride, 2 * kp, panel + kp * 64, acc, [](const uint16_t* src) {
+    multiply_pair<W, ROWS>(x, x_stride, 2 * kp, panel + kp * W::kRecord, acc,
+                           [](const uint16_t* src) {
       int32_t pair;
       std::memcpy(&pair, src, sizeof(pair));
       return pair;
     });
   }
   if (k % 2) {
-    multiply_pair<W, ROWS>(x, x_stride, k - 1, panel + pairs * 64, acc,
+    multiply_pair<W, ROWS>(x, x_stride, k - 1, panel + pairs * W::kRecord, acc,
                         [](const uint16_t* src) { return static_cast<int32_t>(*src); });
   }
 }
@@ -184,6 +223,10 @@ struct Operands {
   const uint16_t* x;
   int64_t x_stride, k, n;
   const float* scales;  // per output, or null (1)
+  // int4 only: [panels, groups, 32] scales and minimums, [M, groups] sums of x per group
+  const float* group_scales;
+  const float* group_mins;
+  const float* x_sums;
   const uint16_t* bias;  // per output, or null
   const uint16_t* residual;  // [M, n], or null
   int64_t res_stride;
@@ -192,11 +235,55 @@ struct Operands {
 };
 
 // Rows [row, row + ROWS) of the call times panel p.
+// int4's pass over a panel, group by group: each group's sums of x q go into part, then
+// into acc scaled by the group's scale, plus its minimum times the group's sum of x.
+template <int ROWS>
+inline void int4_panel_kernel(const Operands& op, int64_t row, const uint8_t* panel,
+                              Ahead<Int4Weights> ahead, int64_t p,
+                              __m512 (&acc)[kMaxRows][2]) {
+  constexpr int64_t kGroupPairs = Int4Weights::kGroup / 2;
+  const int64_t groups = op.k / Int4Weights::kGroup;
+  const float* scales = op.group_scales + p * groups * kPanel;
+  const float* mins = op.group_mins + p * groups * kPanel;
+  const uint16_t* x = op.x + row * op.x_stride;
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0, turn = ahead.pass; g < groups; ++g) {
+    __m512 part[kMaxRows][2];
+    for (int r = 0; r < ROWS; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
+    for (int64_t kp = g * kGroupPairs; kp < (g + 1) * kGroupPairs; ++kp, ++turn) {
+      if (turn == ahead.passes) turn = 0;
+      if (ahead.panel && turn == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead.panel + kp * Int4Weights::kRecord),
+                     _MM_HINT_T1);
+      }
+      multiply_pair<Int4Weights, ROWS>(x, op.x_stride, 2 * kp, panel + kp * Int4Weights::kRecord,
+                                       part, [](const uint16_t* src) {
+                                         int32_t pair;
+                                         std::memcpy(&pair, src, sizeof(pair));
+                                         return pair;
+                                       });
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m512 scale = _mm512_loadu_ps(scales + g * kPanel + 16 * h);
+      const __m512 min = _mm512_loadu_ps(mins + g * kPanel + 16 * h);
+      for (int r = 0; r < ROWS; ++r) {
+        acc[r][h] = _mm512_fmadd_ps(part[r][h], scale, acc[r][h]);
+        acc[r][h] = _mm512_fmadd_ps(_mm512_set1_ps(op.x_sums[(row + r) * groups + g]), min,
+                                    acc[r][h]);
+      }
+    }
+  }
+}
+
 template <typename W, int ROWS>
 void rows_times_panel(const Operands& op, int64_t row, const typename W::Elem* panel,
                       Ahead<W> ahead, int64_t p) {
   __m512 acc[kMaxRows][2];
-  panel_kernel<W, ROWS>(op.x + row * op.x_stride, op.x_stride, op.k, panel, ahead, acc);
+  if constexpr (std::is_same_v<W, Int4Weights>) {
+    int4_panel_kernel<ROWS>(op, row, panel, ahead, p, acc);
+  } else {
+    panel_kernel<W, ROWS>(op.x + row * op.x_stride, op.x_stride, op.k, panel, ahead, acc);
+  }
   for (int h = 0; h < 2; ++h) {
     const int64_t col = p * kPanel + 16 * h;
     if (col >= op.n) break;
@@ -224,23 +311,32 @@ constexpr auto make_table(std::integer_sequence<int, R...>) {
   return std::array<RowsFn<W>, sizeof...(R)>{&rows_times_panel<W, R + 1>...};
 }
 template <typename W>
-constexpr auto kRowsFns = make_table<W>(std::make_integer_sequence<int, kMaxRows>{});
+constexpr auto kRowsFns = make_table<W>(std::make_integer_sequence<int, W::kMaxRows>{});
 
 const uint16_t* bits_of(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
 }
 
-// The checks and the loop shared by both weight kinds (``scales``: int8's, else null).
+// int4's per-group operands (see Operands); all null for the other kinds.
+struct GroupOperands {
+  const float* scales = nullptr;
+  const float* mins = nullptr;
+  const float* x_sums = nullptr;
+};
+
+// The checks and the loop shared by every weight kind (``scales``: int8's, else null).
 template <typename W>
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const float* scales,
-                  int64_t out_features, const std::optional<at::Tensor>& bias,
+                  GroupOperands groups, int64_t out_features,
+                  const std::optional<at::Tensor>& bias,
                   const std::optional<at::Tensor>& residual, at::ScalarType weight_type,
                   const char* packer) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
               "x must be [M, K] bfloat16 with contiguous rows");
   const int64_t m = x.size(0), k = x.size(1), n = out_features;
-  TORCH_CHECK(packed.dim() == 5 && packed.is_contiguous() && packed.scalar_type() == weight_type &&
-                  packed.size(0) == panels_for(n) && packed.size(1) == even(k) / 2,
+  TORCH_CHECK(packed.dim() == W::kPackedDims && packed.is_contiguous() &&
+                  packed.scalar_type() == weight_type && packed.size(0) == panels_for(n) &&
+                  packed.size(1) == even(k) / 2,
               "packed must be ", packer, "'s packing of an [out_features, K] weight");
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
                         bias->scalar_type() == at::kBFloat16),
@@ -251,13 +347,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const float* sc
               "residual must be [M, out_features] bfloat16 with contiguous rows");
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
-  const Operands op{bits_of(x), x.stride(0), k, n, scales, bias ? bits_of(*bias) : nullptr,
+  const Operands op{bits_of(x), x.stride(0), k, n, scales, groups.scales, groups.mins,
+                    groups.x_sums, bias ? bits_of(*bias) : nullptr,
                     residual ? bits_of(*residual) : nullptr,
                     residual ? residual->stride(0) : 0,
                     reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n};
   const auto* weights = reinterpret_cast<const typename W::Elem*>(packed.data_ptr());
-  const int64_t panel_size = packed.size(1) * 64;  // elements
-  const int64_t chunks = (m + kMaxRows - 1) / kMaxRows;  // nearly equal sizes
+  const int64_t panel_size = packed.size(1) * W::kRecord;  // elements
+  const int64_t chunks = (m + W::kMaxRows - 1) / W::kMaxRows;  // nearly equal sizes
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const auto* panel = weights + p * panel_size;
@@ -280,8 +377,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const float* sc
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                        const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& residual) {
-  return linear<BF16Weights>(x, packed, nullptr, out_features, bias, residual, at::kBFloat16,
-                             "bf16_pack_weight");
+  return linear<BF16Weights>(x, packed, nullptr, {}, out_features, bias, residual,
+                             at::kBFloat16, "bf16_pack_weight");
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -290,8 +387,48 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == out_features && scales.is_contiguous() &&
                   scales.scalar_type() == at::kFloat,
               "scales must be [out_features] float32");
-  return linear<Int8Weights>(x, packed, scales.data_ptr<float>(), out_features, bias, residual,
-                             at::kChar, "int8_pack_weight");
+  return linear<Int8Weights>(x, packed, scales.data_ptr<float>(), {}, out_features, bias,
+                             residual, at::kChar, "int8_pack_weight");
+}
+
+// packed [panels, K / 2, 2, 16] uint8 as Int4Weights describes; scales and mins
+// [panels, K / 32, 32] float32 (output 32 p + o of panel p at [p, group, o]).
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const at::Tensor& mins, int64_t out_features,
+                       const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& residual) {
+  constexpr int64_t kGroup = Int4Weights::kGroup;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0 && x.stride(1) == 1 &&
+                  x.scalar_type() == at::kBFloat16,
+              "x must be [M, K] bfloat16 with contiguous rows, K a multiple of ", kGroup);
+  const int64_t m = x.size(0), groups = x.size(1) / kGroup;
+  for (const at::Tensor* t : {&scales, &mins}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == panels_for(out_features) &&
+                    t->size(1) == groups && t->size(2) == kPanel && t->is_contiguous() &&
+                    t->scalar_type() == at::kFloat,
+                "scales and mins must be [panels, K / ", kGroup, ", ", kPanel, "] float32");
+  }
+  // each row's sum of x over each group, for the minimums
+  at::Tensor x_sums = at::empty({m, groups}, x.options().dtype(at::kFloat));
+  const uint16_t* xp = bits_of(x);
+  float* sums = x_sums.data_ptr<float>();
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint16_t* src = xp + r * x.stride(0) + g * kGroup;
+      float sum = 0.f;
+      for (int64_t i = 0; i < kGroup; ++i) {
+        const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+        float value;
+        std::memcpy(&value, &bits, sizeof(value));
+        sum += value;
+      }
+      sums[r * groups + g] = sum;
+    }
+  }
+  return linear<Int4Weights>(x, packed, nullptr,
+                             {scales.data_ptr<float>(), mins.data_ptr<float>(), sums},
+                             out_features, bias, residual, at::kByte,
+                             "tokenmill's int4 packing (weight_formats.NativeInt4Weight)");
 }
 
 }  // namespace
@@ -303,6 +440,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("int8_pack_weight(Tensor weight) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, int out_features, Tensor? bias, "
         "Tensor? residual) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int out_features, "
+        "Tensor? bias, Tensor? residual) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
@@ -310,6 +449,7 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("bf16_linear", &bf16_linear);
   m.impl("int8_pack_weight", &int8_pack_weight);
   m.impl("int8_linear", &int8_linear);
+  m.impl("int4_linear", &int4_linear);
 }
 
 #endif  // AVX512-BF16
