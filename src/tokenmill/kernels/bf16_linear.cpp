@@ -1,16 +1,19 @@
-// Linear layers with bfloat16 activations on AVX512-BF16, over weights in bfloat16 or in
-// int8 with one float32 scale per output row:
+// Linear layers with bfloat16 activations on AVX512-BF16, over weights in bfloat16, in
+// int8 with one float32 scale per output row, or in 4 bits with a float32 scale and
+// minimum per 32 inputs of a row:
 //
 //   bf16_pack_weight(w [N, K] bfloat16)                   -> packed (the layout below)
 //   bf16_linear(x [M, K], packed, N, bias?, residual?)    -> x @ w.T (+ bias) (+ residual)
 //   int8_pack_weight(q [N, K] int8)                       -> packed (the same layout)
 //   int8_linear(x [M, K], packed, scales [N], N, bias?, residual?)
 //                                                         -> (x @ q.T) * scales (+ ...)
+//   int4_linear(x [M, K], packed, scales, mins, N, bias?, residual?)
+//                                   -> x @ (q * scale + min).T (+ ...)   (see Int4Weights)
 //
 // At a decode step's batch sizes (M up to a few dozen rows) a linear layer is bound by
 // reading its weight; this kernel reads each weight element from memory once per call
-// and multiplies it into every row while it sits in a register (int8 weights: half the
-// bytes, widened to bfloat16 in registers, exactly). At a prefill's sizes it is bound by
+// and multiplies it into every row while it sits in a register (int8 and int4 weights:
+// a half and a quarter of the bytes, widened to bfloat16 in registers, exactly). At a prefill's sizes it is bound by
 // arithmetic, which runs near the VDPBF16PS peak.
 //
 // Packed layout: outputs in panels of 32 (two 16-lane registers), each panel contiguous
@@ -25,7 +28,7 @@
 //
 // Threads split the panels; each streams its panels in order, and while it multiplies
 // one it requests the next into cache, so memory keeps streaming during the arithmetic.
-// Rows go through in chunks of at most kMaxRows (a register tile of kMaxRows x 32
+// Rows go through in chunks of at most W::kMaxRows (a register tile of that many rows x 32
 // float32 accumulators); the second and later chunks find the panel in cache.
 //
 // Built only for CPUs with AVX512-BF16 (the compiler targets the host): elsewhere these ops
@@ -48,7 +51,7 @@
 namespace {
 
 constexpr int64_t kPanel = 32;   // outputs per panel
-constexpr int64_t kMaxRows = 12;  // rows per micro-kernel call: 2 * 12 accumulators
+constexpr int64_t kMaxRows = 12;  // the largest of the weight kinds' kMaxRows (tile arrays)
 constexpr int64_t kMaxSharingChunks = 6;
 
 int64_t even(int64_t k) { return (k + 1) / 2 * 2; }
