@@ -13,8 +13,8 @@
 // At a decode step's batch sizes (M up to a few dozen rows) a linear layer is bound by
 // reading its weight; this kernel reads each weight element from memory once per call
 // and multiplies it into every row while it sits in a register (int8 and int4 weights:
-// a half and a quarter of the bytes, widened to bfloat16 in registers, exactly). At a prefill's sizes it is bound by
-// arithmetic, which runs near the VDPBF16PS peak.
+// a half and a quarter of the bytes, widened to bfloat16 in registers, exactly). At a
+// prefill's sizes it is bound by arithmetic, which runs near the VDPBF16PS peak.
 //
 // Packed layout: outputs in panels of 32 (two 16-lane registers), each panel contiguous
 // over K in pairs, the operand layout of VDPBF16PS:
@@ -36,6 +36,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "dtype_conversion.h"
 
 #include <immintrin.h>
 
@@ -161,17 +163,30 @@ struct Ahead {
   int64_t pass, passes;
 };
 
+// The two bfloat16 inputs at src as one int32 (a full pair), or an odd K's last input
+// with a zero. (Types, not functions, so that the calls inline.)
+struct ReadPair {
+  int32_t operator()(const uint16_t* src) const {
+    int32_t pair;
+    std::memcpy(&pair, src, sizeof(pair));
+    return pair;
+  }
+};
+struct ReadLast {
+  int32_t operator()(const uint16_t* src) const { return static_cast<int32_t>(*src); }
+};
+
 // acc[r][h] += (x[r][i], x[r][i + 1]) . the panel's pair record ``record``, for every row r;
-// ``read_pair`` reads the two inputs (bfloat16 bits) of a row at x[r] + i as one int32.
-template <typename W, int ROWS, typename ReadPair>
+// ``read`` (ReadPair or ReadLast) reads a row's inputs at x[r] + i.
+template <typename W, int ROWS, typename Read>
 inline void multiply_pair(const uint16_t* x, int64_t x_stride, int64_t i,
                           const typename W::Elem* record, __m512 (&acc)[kMaxRows][2],
-                          ReadPair read_pair) {
+                          Read read) {
   __m512bh w0, w1;
   W::load(record, w0, w1);
 #pragma GCC unroll 12
   for (int r = 0; r < ROWS; ++r) {
-    const __m512bh xb = (__m512bh)_mm512_set1_epi32(read_pair(x + r * x_stride + i));
+    const __m512bh xb = (__m512bh)_mm512_set1_epi32(read(x + r * x_stride + i));
     acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
     acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
   }
@@ -193,16 +208,10 @@ inline void panel_kernel(const uint16_t* x, int64_t x_stride, int64_t k,
         _mm_prefetch(record + 64 * line, _MM_HINT_T1);
       }
     }
-    multiply_pair<W, ROWS>(x, x_stride, 2 * kp, panel + kp * W::kRecord, acc,
-                           [](const uint16_t* src) {
-      int32_t pair;
-      std::memcpy(&pair, src, sizeof(pair));
-      return pair;
-    });
+    multiply_pair<W, ROWS>(x, x_stride, 2 * kp, panel + kp * W::kRecord, acc, ReadPair{});
   }
   if (k % 2) {
-    multiply_pair<W, ROWS>(x, x_stride, k - 1, panel + pairs * W::kRecord, acc,
-                        [](const uint16_t* src) { return static_cast<int32_t>(*src); });
+    multiply_pair<W, ROWS>(x, x_stride, k - 1, panel + pairs * W::kRecord, acc, ReadLast{});
   }
 }
 
@@ -237,7 +246,6 @@ struct Operands {
   int64_t out_stride;
 };
 
-// Rows [row, row + ROWS) of the call times panel p.
 // int4's pass over a panel, group by group: each group's sums of x q go into part, then
 // into acc scaled by the group's scale, plus its minimum times the group's sum of x.
 template <int ROWS>
@@ -259,12 +267,8 @@ inline void int4_panel_kernel(const Operands& op, int64_t row, const uint8_t* pa
         _mm_prefetch(reinterpret_cast<const char*>(ahead.panel + kp * Int4Weights::kRecord),
                      _MM_HINT_T1);
       }
-      multiply_pair<Int4Weights, ROWS>(x, op.x_stride, 2 * kp, panel + kp * Int4Weights::kRecord,
-                                       part, [](const uint16_t* src) {
-                                         int32_t pair;
-                                         std::memcpy(&pair, src, sizeof(pair));
-                                         return pair;
-                                       });
+      multiply_pair<Int4Weights, ROWS>(x, op.x_stride, 2 * kp,
+                                       panel + kp * Int4Weights::kRecord, part, ReadPair{});
     }
     for (int h = 0; h < 2; ++h) {
       const __m512 scale = _mm512_loadu_ps(scales + g * kPanel + 16 * h);
@@ -278,6 +282,7 @@ inline void int4_panel_kernel(const Operands& op, int64_t row, const uint8_t* pa
   }
 }
 
+// Rows [row, row + ROWS) of the call times panel p.
 template <typename W, int ROWS>
 void rows_times_panel(const Operands& op, int64_t row, const typename W::Elem* panel,
                       Ahead<W> ahead, int64_t p) {
@@ -413,21 +418,19 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   }
   // each row's sum of x over each group, for the minimums
   at::Tensor x_sums = at::empty({m, groups}, x.options().dtype(at::kFloat));
-  const uint16_t* xp = bits_of(x);
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   float* sums = x_sums.data_ptr<float>();
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const uint16_t* src = xp + r * x.stride(0) + g * kGroup;
-      float sum = 0.f;
-      for (int64_t i = 0; i < kGroup; ++i) {
-        const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
-        float value;
-        std::memcpy(&value, &bits, sizeof(value));
-        sum += value;
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const at::BFloat16* src = xp + r * x.stride(0) + g * kGroup;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < kGroup; ++i) sum += tokenmill::to_float(src[i]);
+        sums[r * groups + g] = sum;
       }
-      sums[r * groups + g] = sum;
     }
-  }
+  });
   return linear<Int4Weights>(x, packed, nullptr,
                              {scales.data_ptr<float>(), mins.data_ptr<float>(), sums},
                              out_features, bias, residual, at::kByte,

@@ -18,16 +18,19 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "dtype_conversion.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 
 namespace {
+
+using tokenmill::from_float;
 
 constexpr int64_t kKeys = 16;  // keys per score register
 constexpr int64_t kTile = 16;  // query tokens per task
@@ -50,13 +53,6 @@ inline __m512 fold16(__m512 (&v)[kKeys]) {
   const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x44),
                                   _mm512_shuffle_f32x4(quads[2], quads[3], 0xee));
   return _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xdd));
-}
-
-inline uint16_t round_to_bf16(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN stays NaN
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
 template <int64_t HEAD_DIM>
@@ -178,7 +174,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
         const int64_t r = row / group, g = row % group;
         uint16_t* dst = out_ptr + (start + r0 + r) * out_stride + (kv * group + g) * HEAD_DIM;
         const float* o = acc.data() + row * HEAD_DIM;
-        for (int64_t d = 0; d < HEAD_DIM; ++d) dst[d] = round_to_bf16(o[d]);
+        for (int64_t d = 0; d < HEAD_DIM; ++d) dst[d] = from_float<at::BFloat16>(o[d]).x;
       }
     }
   });

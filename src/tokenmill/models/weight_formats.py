@@ -24,7 +24,7 @@ head) converts its plain ``[out, in]`` weight into it once:
 - ``NativeInt8Weight``: the same int8 weights and scales (float32 scales) for the native
   ``int8_linear`` kernel, where the engine has it (AVX512-BF16): the bfloat16 kernel's
   panels with int8 elements, widened in registers; 1.5x the bfloat16 kernel's speed at
-  one row, 2 to 2.4x PyTorch's int8 kernel.
+  one row, 1.9 to 2.4x PyTorch's int8 kernel.
 - ``NativeInt4Weight``: ``--quantization int4`` with the native ``int4_linear`` kernel
   (AVX512-BF16): 4-bit values in the same panels, a float32 scale and minimum per 32
   inputs of a row (Q4_1's own form, so a Q4_1 file's values come back exactly, scales
