@@ -23,14 +23,15 @@ from tokenmill.models.perplexity import perplexity
 from tokenmill.models.weight_formats import (
     Int4Weight,
     Int8Weight,
-    NativeBF16Weight,
     NativeInt4Weight,
     NativeInt8Weight,
+    NativeWeight,
     OneDNNWeight,
     choose_weight_format,
     head_format,
     onednn_supports,
 )
+from tokenmill.platform import resolve_dtype
 from tokenmill.sampling_params import InvalidParameterError
 from tokenmill.tokenizer.tokenizer import load_tokenizer
 
@@ -83,7 +84,7 @@ def test_native_bf16_matches_plain_bf16(tiny_model_dir, variant, native, monkeyp
     monkeypatch.setattr(weight_formats, "cpu_has_amx", lambda: False)  # AMX keeps oneDNN
     model_dir = tiny_model_dir(variant)
     packed, _ = load_model(model_dir, BF16, CPU, native=native)
-    assert packed_formats(packed) == {NativeBF16Weight}
+    assert packed_formats(packed) == {NativeWeight}
 
     got = mixed_batch_logits(packed).float()
     plain = mixed_batch_logits(unpacked_model(model_dir, BF16)).float()
@@ -95,21 +96,35 @@ def test_native_bf16_matches_plain_bf16(tiny_model_dir, variant, native, monkeyp
 
 
 def test_native_weights_only_where_their_kernels_run(native, monkeypatch):
-    """bfloat16 (and int8) on the CPU with the native kernels takes them where the CPU has
-    AVX512-BF16 (bfloat16: and no AMX); other dtypes, devices, and a host without the
-    kernels keep oneDNN's, plain or PyTorch's int8 weights."""
+    """On the CPU with the native kernels, bfloat16 (and its int8 and int4) takes them where
+    the CPU has AVX512-BF16 (bfloat16 unquantized: and no AMX), float32 (and its int8) where
+    it has AVX2 without AVX-512; other dtypes, devices, and a host without the kernels keep
+    oneDNN's, plain or PyTorch's quantized weights."""
     monkeypatch.setattr(weight_formats, "cpu_has_amx", lambda: False)
     without = dataclasses.replace(native, bf16_pack_weight=None, bf16_linear=None,
-                                  int8_pack_weight=None, int8_linear=None, int4_linear=None)
-    assert choose_weight_format(BF16, CPU, "none", without) is choose_weight_format(BF16, CPU)
-    assert choose_weight_format(BF16, CPU, "int8", without) is Int8Weight
-    assert choose_weight_format(BF16, CPU, "int4", without) is Int4Weight
-    assert choose_weight_format(torch.float32, CPU, "none", native) is OneDNNWeight
+                                  int8_pack_weight=None, int8_linear=None, int4_linear=None,
+                                  f32_pack_weight=None, f32_linear=None,
+                                  int8_f32_pack_weight=None, int8_f32_linear=None)
+    for dtype in (BF16, torch.float32):
+        assert choose_weight_format(dtype, CPU, "none", without) is choose_weight_format(dtype,
+                                                                                         CPU)
+        assert choose_weight_format(dtype, CPU, "int8", without) is Int8Weight
+        assert choose_weight_format(dtype, CPU, "int4", without) is Int4Weight
     assert choose_weight_format(BF16, torch.device("cuda"), "none", native) is None
+    weight = torch.zeros(32, 64)
+    if native.f32_linear is None:
+        assert choose_weight_format(torch.float32, CPU, "none", native) is OneDNNWeight
+        assert choose_weight_format(torch.float32, CPU, "int8", native) is Int8Weight
+    else:
+        fmt = choose_weight_format(torch.float32, CPU, "none", native)
+        assert isinstance(fmt(weight, None), NativeWeight)
+        fmt = choose_weight_format(torch.float32, CPU, "int8", native)
+        assert isinstance(fmt(weight, None), NativeInt8Weight)
+    assert choose_weight_format(torch.float32, CPU, "int4", native) is Int4Weight
     if native.bf16_linear is not None:
-        weight = torch.zeros(32, 64, dtype=BF16)
+        weight = weight.to(BF16)
         fmt = choose_weight_format(BF16, CPU, "none", native)
-        assert isinstance(fmt(weight, None), NativeBF16Weight)
+        assert isinstance(fmt(weight, None), NativeWeight)
         fmt = choose_weight_format(BF16, CPU, "int8", native)
         assert isinstance(fmt(weight, None), NativeInt8Weight)
         fmt = choose_weight_format(BF16, CPU, "int4", native)
@@ -117,6 +132,18 @@ def test_native_weights_only_where_their_kernels_run(native, monkeypatch):
         assert isinstance(head_format(fmt)(weight, None), NativeInt8Weight)  # 8-bit head
         monkeypatch.setattr(weight_formats, "cpu_has_amx", lambda: True)  # AMX: oneDNN's
         assert choose_weight_format(BF16, CPU, "none", native) is choose_weight_format(BF16, CPU)
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama_untied", "qwen2"])
+def test_native_float32_matches_plain_float32(tiny_model_dir, variant, native):
+    if native.f32_linear is None:
+        pytest.skip("this CPU has AVX-512 (or lacks AVX2/FMA): float32 keeps oneDNN's kernels")
+    model_dir = tiny_model_dir(variant)
+    packed, _ = load_model(model_dir, torch.float32, CPU, native=native)
+    assert packed_formats(packed) == {NativeWeight}
+    torch.testing.assert_close(mixed_batch_logits(packed),
+                               mixed_batch_logits(unpacked_model(model_dir, torch.float32)),
+                               atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen2"])
@@ -131,15 +158,25 @@ def test_onednn_float32_matches_plain_float32(tiny_model_dir, variant):
                                atol=1e-4, rtol=1e-4)
 
 
+def native_for(kernels: str, dtype: torch.dtype, request, op: str):
+    """The native ops for a ``kernels`` parametrization (None: PyTorch's); skips where this
+    CPU has no native ``op`` for ``dtype``."""
+    if kernels == "torch":
+        return None
+    native = request.getfixturevalue("native")
+    if getattr(native, op) is None:
+        pytest.skip(f"this CPU has no native {op}: {dtype} takes PyTorch's kernel")
+    return native
+
+
 @pytest.mark.parametrize("kernels", ["torch", "native"])
 @pytest.mark.parametrize("variant", ["llama", "llama_untied", "qwen2"])
-def test_int8_weights_match_bf16_within_quantization_error(tiny_model_dir, variant, kernels,
-                                                           request):
-    native = request.getfixturevalue("native") if kernels == "native" else None
-    if native is not None and native.int8_linear is None:
-        pytest.skip("this CPU has no AVX512-BF16: int8 takes PyTorch's kernel")
+@pytest.mark.parametrize("dtype,op", [(BF16, "int8_linear"), (torch.float32, "int8_f32_linear")])
+def test_int8_weights_match_float32_within_quantization_error(tiny_model_dir, variant, kernels,
+                                                              dtype, op, request):
+    native = native_for(kernels, dtype, request, op)
     model_dir = tiny_model_dir(variant)
-    quantized, _ = load_model(model_dir, BF16, CPU, "int8", native)
+    quantized, _ = load_model(model_dir, dtype, CPU, "int8", native)
     assert packed_formats(quantized) == {NativeInt8Weight if native else Int8Weight}
     got = mixed_batch_logits(quantized).float()
     reference = mixed_batch_logits(unpacked_model(model_dir, torch.float32))
@@ -148,13 +185,14 @@ def test_int8_weights_match_bf16_within_quantization_error(tiny_model_dir, varia
 
 @pytest.mark.parametrize("kernels", ["torch", "native"])
 @pytest.mark.parametrize("variant", ["llama", "llama_untied", "qwen2"])
-def test_int4_weights_match_bf16_within_quantization_error(tiny_model_dir, variant, kernels,
-                                                           request):
-    native = request.getfixturevalue("native") if kernels == "native" else None
-    if native is not None and native.int4_linear is None:
-        pytest.skip("this CPU has no AVX512-BF16: int4 takes PyTorch's kernel")
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_int4_weights_match_float32_within_quantization_error(tiny_model_dir, variant, kernels,
+                                                              dtype, request):
+    if kernels == "native" and dtype == torch.float32:
+        pytest.skip("float32 int4 has no native kernel")
+    native = native_for(kernels, dtype, request, "int4_linear")
     model_dir = tiny_model_dir(variant)
-    quantized, _ = load_model(model_dir, BF16, CPU, "int4", native)
+    quantized, _ = load_model(model_dir, dtype, CPU, "int4", native)
     # the head keeps 8 bits
     assert packed_formats(quantized) == ({NativeInt4Weight, NativeInt8Weight} if native
                                          else {Int4Weight, Int8Weight})
@@ -164,14 +202,13 @@ def test_int4_weights_match_bf16_within_quantization_error(tiny_model_dir, varia
     torch.testing.assert_close(got, reference, atol=0.8, rtol=0.1)
 
 
-@pytest.mark.parametrize("kernels", ["torch", "native"])
-def test_int4_recovers_the_4_bit_values_of_q4_1_blocks(kernels, request):
+@pytest.mark.parametrize("kernels,dtype", [("torch", BF16), ("torch", torch.float32),
+                                           ("native", BF16)])
+def test_int4_recovers_the_4_bit_values_of_q4_1_blocks(kernels, dtype, request):
     """Weights dequantized from GGUF Q4_1 blocks (fp16 scale d and minimum m per 32 inputs,
-    w = d * q + m) come back as the same q: PyTorch's kernel rounds d and m to bfloat16,
-    the native one keeps them."""
-    native = request.getfixturevalue("native") if kernels == "native" else None
-    if native is not None and native.int4_linear is None:
-        pytest.skip("this CPU has no AVX512-BF16: int4 takes PyTorch's kernel")
+    w = d * q + m) come back as the same q: PyTorch's kernel in bfloat16 rounds d and m to
+    bfloat16, the native one and float32 keep them."""
+    native = native_for(kernels, dtype, request, "int4_linear")
     gen = torch.Generator().manual_seed(0)
     out_features, in_features = 48, 96
     groups = in_features // Int4Weight.GROUP
@@ -182,7 +219,7 @@ def test_int4_recovers_the_4_bit_values_of_q4_1_blocks(kernels, request):
     m = (-7.5 * d + torch.randn(out_features, groups, 1, generator=gen) * d).half().float()
     weight = (d * q + m).view(out_features, in_features)
     fmt = Int4Weight if native is None else functools.partial(NativeInt4Weight, native)
-    dequantized = fmt(weight, None)(torch.eye(in_features, dtype=BF16)).float().t()
+    dequantized = fmt(weight.to(dtype), None)(torch.eye(in_features, dtype=dtype)).float().t()
     step = d.expand(-1, -1, Int4Weight.GROUP).reshape(out_features, in_features)
     assert ((dequantized - weight).abs() / step).max() < 0.1  # bfloat16 rounding, not a step
 
@@ -208,8 +245,7 @@ def test_without_onednn_support_weights_stay_plain(tiny_model_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype,device,message", [
-    (torch.float32, CPU, "computes in bfloat16"),
-    (torch.float16, CPU, "computes in bfloat16"),
+    (torch.float16, CPU, "computes in bfloat16 or float32"),
     (BF16, torch.device("cuda"), "CPU only"),
 ])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
@@ -222,14 +258,15 @@ def test_quantization_rejects_what_it_cannot_run(dtype, device, message, quantiz
 @pytest.mark.slow
 def test_quantized_perplexity_of_smollm2_within_two_percent(native):
     """The accuracy int8 and int4 cost, bounded: the embedded model on a fixed
-    public-domain text, computed as the engine computes it (native kernels where they
-    run)."""
+    public-domain text, computed as the engine computes it (the dtype ``auto`` picks here,
+    native kernels where they run)."""
     with open(TEXT, encoding="utf-8") as f:
         token_ids = load_tokenizer(None).encode(f.read())
     assert len(token_ids) > 500
     exact = perplexity(load_model(None, torch.float32, CPU)[0], token_ids)
     assert 5 < exact < 20  # the model reads English: a sanity bound on the measure itself
     for quantization in ("int8", "int4"):
-        quantized = perplexity(load_model(None, BF16, CPU, quantization, native)[0], token_ids)
+        model = load_model(None, resolve_dtype("auto", CPU), CPU, quantization, native)[0]
+        quantized = perplexity(model, token_ids)
         assert quantized <= exact * 1.02, (
             f"{quantization} perplexity {quantized:.3f} vs {exact:.3f}")

@@ -43,9 +43,7 @@ def build_engine(config: EngineConfig) -> Engine:
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     device = pick_device() if config.device == "auto" else torch.device(config.device)
-    # quantized weights multiply bfloat16 activations, so "auto" means bfloat16 with them
-    dtype = (torch.bfloat16 if config.quantization != "none" and config.dtype == "auto"
-             else resolve_dtype(config.dtype, device))
+    dtype = resolve_dtype(config.dtype, device)
     model, model_config = load_model(config.model, dtype, device, config.quantization,
                                      choose_kernels(config.kernels, device))
     tokenizer = load_tokenizer(config.model)

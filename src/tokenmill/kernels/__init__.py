@@ -3,8 +3,9 @@
 ``native_ops()`` builds the ``.cpp`` files here once with the host's C++ compiler and
 ``ninja`` and returns their ``torch.ops.tokenmill`` ops as a ``NativeOps``, or ``None``
 where they cannot be built: the model then keeps its pure PyTorch path. The bfloat16 ops
-(linear layers, prefill attention) exist only on a CPU with AVX512-BF16; elsewhere their
-fields are None. ``choose_kernels`` applies the engine's ``kernels`` option.
+(linear layers, prefill attention) exist only on a CPU with AVX512-BF16, the float32
+linear layers only on one with AVX2 and FMA but no AVX-512; elsewhere their fields are
+None. ``choose_kernels`` applies the engine's ``kernels`` option.
 
 The build is tuned for the CPU it runs on (``-march=native``), so its cache entry is
 named after the sources, the compiler flags, PyTorch's version and the CPU's feature
@@ -32,8 +33,8 @@ from tokenmill.sampling_params import InvalidParameterError
 logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_decode_attention.cpp", "paged_prefill_attention.cpp",
-                             "fused_layers.cpp", "bf16_linear.cpp", "argmax_rows.cpp",
-                             "sample_rows.cpp"))
+                             "fused_layers.cpp", "bf16_linear.cpp", "f32_linear.cpp",
+                             "argmax_rows.cpp", "sample_rows.cpp"))
 HEADERS = (Path(__file__).with_name("dtype_conversion.h"),)
 # Fast math: vectorized exp and reassociated sums. (The bfloat16 rounding tests NaN on the
 # bits, so a NaN still comes out a NaN.)
@@ -59,6 +60,12 @@ class NativeOps:
     int8_linear: Callable | None
     int4_linear: Callable | None
     paged_prefill_attention: Callable | None
+    # float32 activations, None unless the CPU has AVX2 and FMA but no AVX-512F: linear
+    # layers over float32 or int8 weights in f32_pack_weight's / int8_f32_pack_weight's layout
+    f32_pack_weight: Callable | None
+    f32_linear: Callable | None
+    int8_f32_pack_weight: Callable | None
+    int8_f32_linear: Callable | None
 
 
 @functools.cache
@@ -94,8 +101,11 @@ def native_ops() -> NativeOps | None:
     bf16 = {name: getattr(ops, name) if hasattr(ops, "bf16_linear") else None
             for name in ("bf16_pack_weight", "bf16_linear", "int8_pack_weight", "int8_linear",
                          "int4_linear", "paged_prefill_attention")}
+    f32 = {name: getattr(ops, name) if hasattr(ops, "f32_linear") else None
+           for name in ("f32_pack_weight", "f32_linear", "int8_f32_pack_weight",
+                        "int8_f32_linear")}
     return NativeOps(ops.paged_decode_attention, ops.rms_norm, ops.silu_and_mul,
-                     ops.rotary_store_kv, ops.argmax_rows, ops.sample_rows, **bf16)
+                     ops.rotary_store_kv, ops.argmax_rows, ops.sample_rows, **bf16, **f32)
 
 
 def choose_kernels(choice: str, device: torch.device) -> NativeOps | None:

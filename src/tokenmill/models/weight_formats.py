@@ -53,8 +53,6 @@ from tokenmill.kernels import NativeOps
 from tokenmill.platform import cpu_has_amx
 from tokenmill.sampling_params import InvalidParameterError
 
-BF16 = torch.bfloat16
-
 
 class OneDNNWeight:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -70,13 +68,16 @@ class OneDNNWeight:
                                                          "add")
 
 
-class NativeBF16Weight:
-    """bfloat16 weights for the native ``bf16_linear`` kernel (needs ``ops.bf16_linear``)."""
+class NativeWeight:
+    """Weights in the layout of one of the native linear kernels: ``pack`` and ``linear``
+    are ``bf16_pack_weight`` and ``bf16_linear`` (bfloat16) or ``f32_pack_weight`` and
+    ``f32_linear`` (float32)."""
 
-    def __init__(self, ops: NativeOps, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.linear = ops.bf16_linear
+    def __init__(self, pack: Callable, linear: Callable, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+        self.linear = linear
         self.out_features = weight.shape[0]
-        self.packed = ops.bf16_pack_weight(weight)
+        self.packed = pack(weight)
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,11 +97,12 @@ def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 class Int8Weight:
-    """int8 weights, one scale per output row (symmetric), bfloat16 activations."""
+    """int8 weights, one scale per output row (symmetric); activations in the dtype of the
+    weight it is made from (bfloat16 or float32)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight, scales = quantize_int8_rows(weight)
-        self.scales = scales.to(torch.bfloat16)
+        self.scales = scales.to(weight.dtype)
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,14 +114,16 @@ class Int8Weight:
 
 
 class NativeInt8Weight:
-    """``Int8Weight``'s quantization for the native ``int8_linear`` kernel (needs
-    ``ops.int8_linear``); the scales stay float32."""
+    """``Int8Weight``'s quantization for a native int8 kernel: ``pack`` and ``linear`` are
+    ``int8_pack_weight`` and ``int8_linear`` (bfloat16 activations) or
+    ``int8_f32_pack_weight`` and ``int8_f32_linear`` (float32); the scales stay float32."""
 
-    def __init__(self, ops: NativeOps, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.linear = ops.int8_linear
+    def __init__(self, pack: Callable, linear: Callable, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+        self.linear = linear
         self.out_features = weight.shape[0]
         q, self.scales = quantize_int8_rows(weight)
-        self.packed = ops.int8_pack_weight(q)
+        self.packed = pack(q)
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,9 +134,9 @@ class NativeInt8Weight:
 
 
 class Int4Weight:
-    """4-bit weights, asymmetric, one bfloat16 scale and zero per ``GROUP`` inputs of a row;
-    bfloat16 activations. Needs ``in % GROUP == 0`` and ``out % 16 == 0`` (the kernel's
-    packing)."""
+    """4-bit weights, asymmetric, one scale and zero per ``GROUP`` inputs of a row;
+    activations, scales and zeros in the dtype of the weight it is made from (bfloat16 or
+    float32). Needs ``in % GROUP == 0`` and ``out % 16 == 0`` (the kernel's packing)."""
 
     GROUP = 32
 
@@ -145,17 +149,18 @@ class Int4Weight:
                 "quantization")
         groups = weight.float().view(out_features, in_features // self.GROUP, self.GROUP)
         low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
-        # The kernel computes (q - 8) * scale + zero with bfloat16 scale and zero: round
+        # The kernel computes (q - 8) * scale + zero with scale and zero in the dtype: round
         # them first, then pick each q against the rounded pair, so the rounding of a zero
         # far from 0 (a group of weights all of one sign) is made up for by q where it can.
-        scales = ((high - low) / 15).clamp_min(torch.finfo(BF16).tiny).to(BF16).float()
-        zeros = (low + 8 * scales).to(BF16).float()
+        dtype = weight.dtype
+        scales = ((high - low) / 15).clamp_min(torch.finfo(dtype).tiny).to(dtype).float()
+        zeros = (low + 8 * scales).to(dtype).float()
         values = ((groups - zeros) / scales + 8).round_().clamp_(0, 15).to(torch.int32)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             values.view(out_features, in_features), 2)
         self.scales_and_zeros = torch.stack(
             (scales.view(out_features, -1).t(), zeros.view(out_features, -1).t()),
-            dim=-1).contiguous().to(BF16)
+            dim=-1).contiguous().to(dtype)
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -208,7 +213,7 @@ class NativeInt4Weight:
                            self.bias, residual)
 
 
-PackedWeight = (OneDNNWeight | NativeBF16Weight | Int8Weight | NativeInt8Weight | Int4Weight
+PackedWeight = (OneDNNWeight | NativeWeight | Int8Weight | NativeInt8Weight | Int4Weight
                 | NativeInt4Weight)
 # A format is called as ``fmt(weight, bias)`` and returns the packed projection.
 WeightFormat = Callable[[torch.Tensor, torch.Tensor | None], PackedWeight]
@@ -220,7 +225,8 @@ def head_format(fmt: WeightFormat) -> WeightFormat:
     if fmt is Int4Weight:
         return Int8Weight
     if isinstance(fmt, functools.partial) and fmt.func is NativeInt4Weight:
-        return functools.partial(NativeInt8Weight, *fmt.args)
+        ops = fmt.args[0]
+        return functools.partial(NativeInt8Weight, ops.int8_pack_weight, ops.int8_linear)
     return fmt
 
 
@@ -231,25 +237,32 @@ def choose_weight_format(dtype: torch.dtype, device: torch.device, quantization:
 
     Raises ``InvalidParameterError`` for a quantization this device or dtype cannot run.
     """
+    bf16_kernels = native is not None and native.bf16_linear is not None
+    f32_kernels = native is not None and native.f32_linear is not None
     if quantization in ("int8", "int4"):
         if device.type != "cpu":
             raise InvalidParameterError(f"--quantization {quantization} runs on the CPU only",
                                         "quantization")
-        if dtype != torch.bfloat16:
+        if dtype not in (torch.bfloat16, torch.float32):
             raise InvalidParameterError(
-                f"--quantization {quantization} computes in bfloat16: use --dtype auto or "
-                "bfloat16", "quantization")
+                f"--quantization {quantization} computes in bfloat16 or float32: use --dtype "
+                "auto, bfloat16 or float32", "quantization")
         if quantization == "int4":
-            if native is not None and native.int4_linear is not None:
+            if dtype == torch.bfloat16 and bf16_kernels:
                 return functools.partial(NativeInt4Weight, native)
             return Int4Weight
-        if native is not None and native.int8_linear is not None:
-            return functools.partial(NativeInt8Weight, native)
+        if dtype == torch.bfloat16 and bf16_kernels:
+            return functools.partial(NativeInt8Weight, native.int8_pack_weight,
+                                     native.int8_linear)
+        if dtype == torch.float32 and f32_kernels:
+            return functools.partial(NativeInt8Weight, native.int8_f32_pack_weight,
+                                     native.int8_f32_linear)
         return Int8Weight
     assert quantization == "none", "EngineConfig validates the name"
-    if (device.type == "cpu" and dtype == torch.bfloat16 and native is not None
-            and native.bf16_linear is not None and not cpu_has_amx()):
-        return functools.partial(NativeBF16Weight, native)
+    if device.type == "cpu" and dtype == torch.bfloat16 and bf16_kernels and not cpu_has_amx():
+        return functools.partial(NativeWeight, native.bf16_pack_weight, native.bf16_linear)
+    if device.type == "cpu" and dtype == torch.float32 and f32_kernels:
+        return functools.partial(NativeWeight, native.f32_pack_weight, native.f32_linear)
     if device.type == "cpu" and onednn_supports(dtype):
         return OneDNNWeight
     return None

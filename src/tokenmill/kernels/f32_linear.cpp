@@ -1,0 +1,327 @@
+// Linear layers with float32 activations on AVX2 + FMA, over weights in float32 or in int8
+// with one float32 scale per output row:
+//
+//   f32_pack_weight(w [N, K] float32)                     -> packed (the layout below)
+//   f32_linear(x [M, K], packed, N, bias?, residual?)     -> x @ w.T (+ bias) (+ residual)
+//   int8_f32_pack_weight(q [N, K] int8)                   -> packed (the same layout)
+//   int8_f32_linear(x [M, K], packed, scales [N], N, bias?, residual?)
+//                                                         -> (x @ q.T) * scales (+ ...)
+//
+// The float32 counterpart of bf16_linear.cpp, for CPUs whose fast arithmetic is float32
+// FMA (AVX2 without AVX-512: 8 lanes). At a decode step's batch sizes a linear layer is
+// bound by reading its weight: each weight element is read from memory once per call and
+// multiplied into every row while it sits in a register (int8 weights: a quarter of the
+// bytes, widened to float32 in registers, exactly). At larger batches it is bound by the
+// FMA units.
+//
+// Packed layout: outputs in panels of 16 (two 8-lane registers), each panel contiguous
+// over K:
+//
+//   packed[p][i][lane] = w[16 p + lane][i]
+//
+// N is padded to a multiple of 16 with zeros. Arithmetic: products and sums in float32
+// (FMA, so each product is rounded once, with its sum); scale, bias and residual applied in
+// float32.
+//
+// Threads split the panels; each streams its panels in order, and while it multiplies one
+// it requests the next into cache, so memory keeps streaming during the arithmetic. Rows go
+// through in chunks of at most kMaxRows (a register tile of kMaxRows rows x 16 float32
+// accumulators); the second and later chunks find the panel in cache.
+//
+// Built only for CPUs with AVX2 and FMA but no AVX-512F (the compiler targets the host):
+// with AVX-512, oneDNN's 16-lane float32 kernels have twice this peak, and these ops do not
+// exist.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <optional>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+
+namespace {
+
+constexpr int64_t kPanel = 16;  // outputs per panel
+constexpr int kMaxRows = 6;  // rows per micro-kernel call: 2 x 6 accumulators of 16
+constexpr int64_t kMaxSharingChunks = 6;
+constexpr int64_t kLine = 64;  // bytes per cache line
+
+int64_t panels_for(int64_t n) { return (n + kPanel - 1) / kPanel; }
+
+// Weight elements of one kind: one input's 16 outputs (a record) read into two registers.
+struct F32Weights {
+  using Elem = float;
+  static inline void load(const Elem* record, __m256& w0, __m256& w1) {
+    w0 = _mm256_loadu_ps(record);
+    w1 = _mm256_loadu_ps(record + 8);
+  }
+};
+
+struct Int8Weights {
+  using Elem = int8_t;
+  // |q| <= 127 is exact in float32
+  static inline void load(const Elem* record, __m256& w0, __m256& w1) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(record));
+    w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+  }
+};
+
+template <typename W>
+at::Tensor pack_weight(const at::Tensor& weight) {
+  const int64_t n = weight.size(0), k = weight.size(1), panels = panels_for(n);
+  at::Tensor w = weight.contiguous();
+  at::Tensor packed = at::zeros({panels, k, kPanel}, weight.options());
+  const auto* src = reinterpret_cast<const typename W::Elem*>(w.data_ptr());
+  auto* dst = reinterpret_cast<typename W::Elem*>(packed.data_ptr());
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t o = 0; o < kPanel && p * kPanel + o < n; ++o) {
+        const auto* row = src + (p * kPanel + o) * k;
+        auto* col = dst + p * k * kPanel + o;
+        for (int64_t i = 0; i < k; ++i) col[i * kPanel] = row[i];
+      }
+    }
+  });
+  return packed;
+}
+
+at::Tensor f32_pack_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
+              "weight must be [N, K] float32");
+  return pack_weight<F32Weights>(weight);
+}
+
+at::Tensor int8_f32_pack_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar,
+              "weight must be [N, K] int8");
+  return pack_weight<Int8Weights>(weight);
+}
+
+// The next panel to request into cache meanwhile: ``Ahead{next, pass, passes}`` requests
+// every ``passes``-th cache line of it, from the ``pass``-th on, so that the passes over
+// one panel together request the whole next one and memory streams all along.
+struct Ahead {
+  const char* panel;  // null: none
+  int64_t pass, passes;
+};
+
+// Rows x[0 .. ROWS) (k inputs each) times one panel: acc[r][h] lanes are the outputs
+// 16 p + 8 h + lane of row r. The sums build in named registers (s<row><half>), copied out
+// once: with an array indexed in the loop, GCC also stores every sum to the stack at every
+// input, which halves the speed.
+template <typename W, int ROWS>
+inline void panel_kernel(const float* x, int64_t x_stride, int64_t k,
+                         const typename W::Elem* panel, Ahead ahead,
+                         __m256 (&acc)[kMaxRows][2]) {
+  static_assert(ROWS >= 1 && ROWS <= kMaxRows);
+  constexpr int64_t kRecordsPerLine = kLine / (kPanel * sizeof(typename W::Elem));
+  __m256 s00, s01, s10, s11, s20, s21, s30, s31, s40, s41, s50, s51;
+  s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = s40 = s41 = s50 = s51 = _mm256_setzero_ps();
+  for (int64_t i = 0, turn = ahead.pass; i < k; ++i) {
+    if (i % kRecordsPerLine == 0) {
+      if (turn == ahead.passes) turn = 0;
+      if (ahead.panel && turn == 0) {
+        _mm_prefetch(ahead.panel + i * kPanel * sizeof(typename W::Elem), _MM_HINT_T1);
+      }
+      ++turn;
+    }
+    __m256 w0, w1;
+    W::load(panel + i * kPanel, w0, w1);
+#define TOKENMILL_ROW(r)                                               \
+  if constexpr (ROWS > r) {                                            \
+    const __m256 xb = _mm256_broadcast_ss(x + r * x_stride + i);      \
+    s##r##0 = _mm256_fmadd_ps(xb, w0, s##r##0);                        \
+    s##r##1 = _mm256_fmadd_ps(xb, w1, s##r##1);                        \
+  }
+    TOKENMILL_ROW(0) TOKENMILL_ROW(1) TOKENMILL_ROW(2)
+    TOKENMILL_ROW(3) TOKENMILL_ROW(4) TOKENMILL_ROW(5)
+#undef TOKENMILL_ROW
+  }
+  const __m256 sums[kMaxRows][2] = {{s00, s01}, {s10, s11}, {s20, s21},
+                                    {s30, s31}, {s40, s41}, {s50, s51}};
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = sums[r][0], acc[r][1] = sums[r][1];
+}
+
+// What one call computes besides the panels: the rows, the output's extras, where it goes.
+struct Operands {
+  const float* x;
+  int64_t x_stride, k, n;
+  const float* scales;  // per output, or null (1)
+  const float* bias;  // per output, or null
+  const float* residual;  // [M, n], or null
+  int64_t res_stride;
+  float* out;
+  int64_t out_stride;
+};
+
+// The lanes [0, width) of a register's worth at src (width <= 8); the rest read as 0.
+inline __m256 load_lanes(const float* src, int64_t width) {
+  if (width == 8) return _mm256_loadu_ps(src);
+  alignas(32) float lanes[8] = {};
+  std::copy(src, src + width, lanes);
+  return _mm256_load_ps(lanes);
+}
+
+inline void store_lanes(float* dst, __m256 v, int64_t width) {
+  if (width == 8) {
+    _mm256_storeu_ps(dst, v);
+    return;
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  std::copy(lanes, lanes + width, dst);
+}
+
+// Rows [row, row + ROWS) of the call times panel p.
+template <typename W, int ROWS>
+void rows_times_panel(const Operands& op, int64_t row, const typename W::Elem* panel,
+                      Ahead ahead, int64_t p) {
+  __m256 acc[kMaxRows][2];
+  panel_kernel<W, ROWS>(op.x + row * op.x_stride, op.x_stride, op.k, panel, ahead, acc);
+  for (int h = 0; h < 2; ++h) {
+    const int64_t col = p * kPanel + 8 * h;
+    if (col >= op.n) break;
+    const int64_t width = std::min<int64_t>(8, op.n - col);
+    const __m256 scale = op.scales ? load_lanes(op.scales + col, width) : _mm256_set1_ps(1.f);
+    const __m256 b = op.bias ? load_lanes(op.bias + col, width) : _mm256_setzero_ps();
+    for (int r = 0; r < ROWS; ++r) {
+      __m256 v = _mm256_fmadd_ps(acc[r][h], scale, b);
+      if (op.residual) {
+        v = _mm256_add_ps(v, load_lanes(op.residual + (row + r) * op.res_stride + col, width));
+      }
+      store_lanes(op.out + (row + r) * op.out_stride + col, v, width);
+    }
+  }
+}
+
+template <typename W>
+using RowsFn = void (*)(const Operands&, int64_t, const typename W::Elem*, Ahead, int64_t);
+
+template <typename W, int... R>
+constexpr auto make_table(std::integer_sequence<int, R...>) {
+  return std::array<RowsFn<W>, sizeof...(R)>{&rows_times_panel<W, R + 1>...};
+}
+template <typename W>
+constexpr auto kRowsFns = make_table<W>(std::make_integer_sequence<int, kMaxRows>{});
+
+// All the rows of the call times panel p, in chunks of at most kMaxRows; ``next``: the
+// panel to request into cache meanwhile, or null.
+template <typename W>
+void panel_times_rows(const Operands& op, int64_t m, const typename W::Elem* panel,
+                      const void* next, int64_t p) {
+  const int64_t chunks = (m + kMaxRows - 1) / kMaxRows;  // nearly equal sizes
+  const char* ahead_panel = static_cast<const char*>(next);
+  for (int64_t c = 0, row = 0; c < chunks; ++c) {
+    const int64_t rows = (m - row) / (chunks - c);
+    // A few chunks share the requests for the next panel; with many (a prefill), the
+    // second alone makes them.
+    const Ahead ahead = chunks <= kMaxSharingChunks
+                            ? Ahead{ahead_panel, c, chunks}
+                            : Ahead{c == 1 ? ahead_panel : nullptr, 0, 1};
+    kRowsFns<W>[rows - 1](op, row, panel, ahead, p);
+    row += rows;
+  }
+}
+
+// From this many rows on, an int8 panel is widened once into float32 (which stays in
+// cache) and multiplied as float32 weights, instead of widening it again for every chunk
+// of rows.
+constexpr int64_t kWidenFromRows = 2 * kMaxRows + 1;
+
+// The checks and the loop shared by both weight kinds (``scales``: int8's, else null).
+template <typename W>
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const float* scales,
+                  int64_t out_features, const std::optional<at::Tensor>& bias,
+                  const std::optional<at::Tensor>& residual, at::ScalarType weight_type,
+                  const char* packer) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
+              "x must be [M, K] float32 with contiguous rows");
+  const int64_t m = x.size(0), k = x.size(1), n = out_features;
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.scalar_type() == weight_type && packed.size(0) == panels_for(n) &&
+                  packed.size(1) == k && packed.size(2) == kPanel,
+              "packed must be ", packer, "'s packing of an [out_features, K] weight");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
+                        bias->scalar_type() == at::kFloat),
+              "bias must be [out_features] float32");
+  TORCH_CHECK(!residual || (residual->dim() == 2 && residual->size(0) == m &&
+                            residual->size(1) == n && residual->stride(1) == 1 &&
+                            residual->scalar_type() == at::kFloat),
+              "residual must be [M, out_features] float32 with contiguous rows");
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const Operands op{x.data_ptr<float>(), x.stride(0), k, n, scales,
+                    bias ? bias->data_ptr<float>() : nullptr,
+                    residual ? residual->data_ptr<float>() : nullptr,
+                    residual ? residual->stride(0) : 0, out.data_ptr<float>(), n};
+  const auto* weights = reinterpret_cast<const typename W::Elem*>(packed.data_ptr());
+  const int64_t panel_size = k * kPanel;  // elements
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> widened;
+    for (int64_t p = begin; p < end; ++p) {
+      const auto* panel = weights + p * panel_size;
+      const auto* next = p + 1 < end ? panel + panel_size : nullptr;
+      if constexpr (std::is_same_v<W, Int8Weights>) {
+        if (m >= kWidenFromRows) {
+          widened.resize(panel_size);
+          for (int64_t i = 0; i < panel_size; i += kPanel) {
+            __m256 w0, w1;
+            Int8Weights::load(panel + i, w0, w1);
+            _mm256_storeu_ps(widened.data() + i, w0);
+            _mm256_storeu_ps(widened.data() + i + 8, w1);
+          }
+          panel_times_rows<F32Weights>(op, m, widened.data(), next, p);
+          continue;
+        }
+      }
+      panel_times_rows<W>(op, m, panel, next, p);
+    }
+  });
+  return out;
+}
+
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                      const std::optional<at::Tensor>& bias,
+                      const std::optional<at::Tensor>& residual) {
+  return linear<F32Weights>(x, packed, nullptr, out_features, bias, residual, at::kFloat,
+                            "f32_pack_weight");
+}
+
+at::Tensor int8_f32_linear(const at::Tensor& x, const at::Tensor& packed,
+                           const at::Tensor& scales, int64_t out_features,
+                           const std::optional<at::Tensor>& bias,
+                           const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == out_features && scales.is_contiguous() &&
+                  scales.scalar_type() == at::kFloat,
+              "scales must be [out_features] float32");
+  return linear<Int8Weights>(x, packed, scales.data_ptr<float>(), out_features, bias,
+                             residual, at::kChar, "int8_f32_pack_weight");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("f32_pack_weight(Tensor weight) -> Tensor");
+  m.def("f32_linear(Tensor x, Tensor packed, int out_features, Tensor? bias, "
+        "Tensor? residual) -> Tensor");
+  m.def("int8_f32_pack_weight(Tensor weight) -> Tensor");
+  m.def("int8_f32_linear(Tensor x, Tensor packed, Tensor scales, int out_features, "
+        "Tensor? bias, Tensor? residual) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("f32_pack_weight", &f32_pack_weight);
+  m.impl("f32_linear", &f32_linear);
+  m.impl("int8_f32_pack_weight", &int8_f32_pack_weight);
+  m.impl("int8_f32_linear", &int8_f32_linear);
+}
+
+#endif  // AVX2 + FMA, no AVX-512F

@@ -1,0 +1,113 @@
+"""The native float32 linear kernels (``tokenmill.kernels``, AVX2 hosts without AVX-512:
+float32 or int8 weights, float32 activations) against float64 arithmetic on the same
+values: float32 products and sums, so within float32 summation error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def ops(native):
+    if native.f32_linear is None:
+        pytest.skip("this CPU has AVX-512 (or lacks AVX2/FMA): float32 weights take "
+                    "oneDNN's kernels")
+    return native
+
+
+def expected(x, weight, bias=None, residual=None) -> torch.Tensor:
+    out = x.double() @ weight.double().T
+    if bias is not None:
+        out += bias.double()
+    if residual is not None:
+        out += residual.double()
+    return out
+
+
+def assert_float32_sums(actual: torch.Tensor, exact: torch.Tensor, k: int) -> None:
+    """Within the error of summing k float32 products (plus the output's own rounding)."""
+    assert actual.dtype == torch.float32
+    bound = exact.abs() * 2.0**-23 + k * 2.0**-22 * exact.abs().max()
+    assert ((actual.double() - exact).abs() <= bound).all()
+
+
+# rows: 1 (a decode step), 7 (two row chunks), 40 (seven), 130 (a prefill: many chunks);
+# outputs not a multiple of the 16-wide panel (nor of 8).
+@pytest.mark.parametrize("rows", [1, 7, 40, 130])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (37, 10), (203, 33)])
+def test_linear_matches_exact_arithmetic(ops, rows, out_features, in_features):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    residual = torch.randn(rows, out_features, generator=gen)
+    packed = ops.f32_pack_weight(weight)
+
+    plain = ops.f32_linear(x, packed, out_features, None, None)
+    assert plain.shape == (rows, out_features)
+    assert_float32_sums(plain, expected(x, weight), in_features)
+    assert_float32_sums(ops.f32_linear(x, packed, out_features, bias, residual),
+                        expected(x, weight, bias, residual), in_features)
+
+
+def test_linear_reads_strided_rows_in_place(ops):
+    weight = torch.randn(64, 48)
+    x = torch.randn(9, 100)[:, 20:68]  # rows 100 apart
+    residual = torch.randn(9, 128)[:, :64]
+    out = ops.f32_linear(x, ops.f32_pack_weight(weight), 64, None, residual)
+    assert_float32_sums(out, expected(x, weight, residual=residual), 48)
+
+
+def test_linear_keeps_nan_and_inf(ops):
+    weight = torch.ones(16, 4)
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0], [float("nan"), 0, 0, 0], [float("inf"), 0, 0, 0]])
+    out = ops.f32_linear(x, ops.f32_pack_weight(weight), 16, None, None)
+    assert (out[0] == 10).all() and out[1].isnan().all() and (out[2] == float("inf")).all()
+
+
+def test_linear_rejects_bad_input(ops):
+    weight = torch.randn(64, 32)
+    packed = ops.f32_pack_weight(weight)
+    x = torch.randn(3, 32)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.f32_linear(x.bfloat16(), packed, 64, None, None)
+    with pytest.raises(RuntimeError, match="packing"):
+        ops.f32_linear(torch.randn(3, 30), packed, 64, None, None)
+    with pytest.raises(RuntimeError, match="packing"):
+        ops.f32_linear(x, packed, 96, None, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.f32_linear(x, packed, 64, torch.zeros(63), None)
+    with pytest.raises(RuntimeError, match="residual"):
+        ops.f32_linear(x, packed, 64, None, torch.zeros(2, 64))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.f32_pack_weight(weight.bfloat16())
+
+
+@pytest.mark.parametrize("rows", [1, 13, 130])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (37, 11)])
+def test_int8_linear_matches_exact_arithmetic(ops, rows, out_features, in_features):
+    gen = torch.Generator().manual_seed(rows + out_features)
+    q = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    scales = torch.rand(out_features, generator=gen) / 100
+    x = torch.randn(rows, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    residual = torch.randn(rows, out_features, generator=gen)
+    packed = ops.int8_f32_pack_weight(q)
+    weight = q.double() * scales.double()[:, None]  # what the int8 values stand for
+
+    out = ops.int8_f32_linear(x, packed, scales, out_features, bias, residual)
+    assert out.shape == (rows, out_features)
+    assert_float32_sums(out, expected(x, weight, bias, residual), in_features)
+
+
+def test_int8_linear_rejects_bad_input(ops):
+    packed = ops.int8_f32_pack_weight(torch.zeros(64, 32, dtype=torch.int8))
+    x = torch.randn(3, 32)
+    with pytest.raises(RuntimeError, match="scales"):
+        ops.int8_f32_linear(x, packed, torch.ones(64, dtype=torch.float64), 64, None, None)
+    with pytest.raises(RuntimeError, match="int8_f32_pack_weight"):  # a float32 packing
+        ops.int8_f32_linear(x, ops.f32_pack_weight(torch.zeros(64, 32)), torch.ones(64), 64,
+                            None, None)
+    with pytest.raises(RuntimeError, match="int8"):
+        ops.int8_f32_pack_weight(torch.zeros(64, 32))
