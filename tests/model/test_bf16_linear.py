@@ -123,8 +123,8 @@ def test_int4_linear_matches_exact_arithmetic(ops, rows, out_features, in_featur
     """NativeInt4Weight packs; the kernel computes with the values it stands for,
     q * scale + min per group of 32 inputs."""
     gen = torch.Generator().manual_seed(rows + out_features)
-    weight = torch.randn(out_features, in_features, generator=gen) / 10
-    fmt = NativeInt4Weight(ops, weight, torch.randn(out_features, generator=gen).to(BF16))
+    weight = (torch.randn(out_features, in_features, generator=gen) / 10).to(BF16).float()
+    fmt = NativeInt4Weight(ops, weight.to(BF16), torch.randn(out_features, generator=gen).to(BF16))
     groups = weight.view(out_features, -1, NativeInt4Weight.GROUP)
     low = groups.amin(-1, keepdim=True)
     step = (groups.amax(-1, keepdim=True) - low) / 15
@@ -136,7 +136,7 @@ def test_int4_linear_matches_exact_arithmetic(ops, rows, out_features, in_featur
 
 
 def test_int4_linear_rejects_bad_input(ops):
-    fmt = NativeInt4Weight(ops, torch.randn(64, 64), None)
+    fmt = NativeInt4Weight(ops, torch.randn(64, 64).to(BF16), None)
     x = torch.randn(3, 64).to(BF16)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         ops.int4_linear(x[:, :48], fmt.packed, fmt.scales, fmt.mins, 64, None, None)

@@ -1,11 +1,13 @@
 """The native float32 linear kernels (``tokenmill.kernels``, AVX2 hosts without AVX-512:
-float32 or int8 weights, float32 activations) against float64 arithmetic on the same
+float32, int8 or int4 weights, float32 activations) against float64 arithmetic on the same
 values: float32 products and sums, so within float32 summation error."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from tokenmill.models.weight_formats import NativeInt4Weight
 
 
 @pytest.fixture
@@ -111,3 +113,34 @@ def test_int8_linear_rejects_bad_input(ops):
                             None, None)
     with pytest.raises(RuntimeError, match="int8"):
         ops.int8_f32_pack_weight(torch.zeros(64, 32))
+
+
+# rows: 1 and 3 (multiplied directly), 13 and 130 (through a float32 copy of each panel)
+@pytest.mark.parametrize("rows", [1, 3, 13, 130])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (37, 96)])
+def test_int4_linear_matches_exact_arithmetic(ops, rows, out_features, in_features):
+    """NativeInt4Weight packs; the kernel computes with the values it stands for,
+    q * scale + min per group of 32 inputs."""
+    gen = torch.Generator().manual_seed(rows + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen) / 10
+    fmt = NativeInt4Weight(ops, weight, torch.randn(out_features, generator=gen))
+    groups = weight.view(out_features, -1, NativeInt4Weight.GROUP)
+    low = groups.amin(-1, keepdim=True)
+    step = (groups.amax(-1, keepdim=True) - low) / 15
+    stands_for = (((groups - low) / step).round().clamp(0, 15) * step + low).view_as(weight)
+    x = torch.randn(rows, 2 * in_features, generator=gen)[:, in_features:]  # strided rows
+    residual = torch.randn(rows, out_features, generator=gen)
+    assert_float32_sums(fmt.add(x, residual), expected(x, stands_for, fmt.bias, residual),
+                        in_features)
+
+
+def test_int4_linear_rejects_bad_input(ops):
+    fmt = NativeInt4Weight(ops, torch.randn(64, 64), None)
+    x = torch.randn(3, 64)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.int4_f32_linear(x[:, :48], fmt.packed, fmt.scales, fmt.mins, 64, None, None)
+    with pytest.raises(RuntimeError, match="scales and mins"):
+        ops.int4_f32_linear(x, fmt.packed, fmt.scales[:, :1], fmt.mins, 64, None, None)
+    with pytest.raises(RuntimeError, match="int4 packing"):
+        ops.int4_f32_linear(x, fmt.packed.view(torch.int8), fmt.scales, fmt.mins, 64, None,
+                            None)

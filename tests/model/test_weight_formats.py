@@ -104,7 +104,8 @@ def test_native_weights_only_where_their_kernels_run(native, monkeypatch):
     without = dataclasses.replace(native, bf16_pack_weight=None, bf16_linear=None,
                                   int8_pack_weight=None, int8_linear=None, int4_linear=None,
                                   f32_pack_weight=None, f32_linear=None,
-                                  int8_f32_pack_weight=None, int8_f32_linear=None)
+                                  int8_f32_pack_weight=None, int8_f32_linear=None,
+                                  int4_f32_linear=None)
     for dtype in (BF16, torch.float32):
         assert choose_weight_format(dtype, CPU, "none", without) is choose_weight_format(dtype,
                                                                                          CPU)
@@ -115,12 +116,15 @@ def test_native_weights_only_where_their_kernels_run(native, monkeypatch):
     if native.f32_linear is None:
         assert choose_weight_format(torch.float32, CPU, "none", native) is OneDNNWeight
         assert choose_weight_format(torch.float32, CPU, "int8", native) is Int8Weight
+        assert choose_weight_format(torch.float32, CPU, "int4", native) is Int4Weight
     else:
         fmt = choose_weight_format(torch.float32, CPU, "none", native)
         assert isinstance(fmt(weight, None), NativeWeight)
         fmt = choose_weight_format(torch.float32, CPU, "int8", native)
         assert isinstance(fmt(weight, None), NativeInt8Weight)
-    assert choose_weight_format(torch.float32, CPU, "int4", native) is Int4Weight
+        fmt = choose_weight_format(torch.float32, CPU, "int4", native)
+        assert isinstance(fmt(weight, None), NativeInt4Weight)
+        assert isinstance(head_format(fmt)(weight, None), NativeInt8Weight)  # 8-bit head
     if native.bf16_linear is not None:
         weight = weight.to(BF16)
         fmt = choose_weight_format(BF16, CPU, "none", native)
@@ -185,12 +189,10 @@ def test_int8_weights_match_float32_within_quantization_error(tiny_model_dir, va
 
 @pytest.mark.parametrize("kernels", ["torch", "native"])
 @pytest.mark.parametrize("variant", ["llama", "llama_untied", "qwen2"])
-@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("dtype,op", [(BF16, "int4_linear"), (torch.float32, "int4_f32_linear")])
 def test_int4_weights_match_float32_within_quantization_error(tiny_model_dir, variant, kernels,
-                                                              dtype, request):
-    if kernels == "native" and dtype == torch.float32:
-        pytest.skip("float32 int4 has no native kernel")
-    native = native_for(kernels, dtype, request, "int4_linear")
+                                                              dtype, op, request):
+    native = native_for(kernels, dtype, request, op)
     model_dir = tiny_model_dir(variant)
     quantized, _ = load_model(model_dir, dtype, CPU, "int4", native)
     # the head keeps 8 bits
@@ -202,13 +204,13 @@ def test_int4_weights_match_float32_within_quantization_error(tiny_model_dir, va
     torch.testing.assert_close(got, reference, atol=0.8, rtol=0.1)
 
 
-@pytest.mark.parametrize("kernels,dtype", [("torch", BF16), ("torch", torch.float32),
-                                           ("native", BF16)])
-def test_int4_recovers_the_4_bit_values_of_q4_1_blocks(kernels, dtype, request):
+@pytest.mark.parametrize("kernels", ["torch", "native"])
+@pytest.mark.parametrize("dtype,op", [(BF16, "int4_linear"), (torch.float32, "int4_f32_linear")])
+def test_int4_recovers_the_4_bit_values_of_q4_1_blocks(kernels, dtype, op, request):
     """Weights dequantized from GGUF Q4_1 blocks (fp16 scale d and minimum m per 32 inputs,
     w = d * q + m) come back as the same q: PyTorch's kernel in bfloat16 rounds d and m to
-    bfloat16, the native one and float32 keep them."""
-    native = native_for(kernels, dtype, request, "int4_linear")
+    bfloat16, the native kernels and float32 keep them."""
+    native = native_for(kernels, dtype, request, op)
     gen = torch.Generator().manual_seed(0)
     out_features, in_features = 48, 96
     groups = in_features // Int4Weight.GROUP
@@ -231,8 +233,12 @@ def test_int4_rejects_shapes_its_kernel_cannot_pack(native):
         Int4Weight(torch.zeros(24, 64), None)  # 24 outputs: not a multiple of 16
     if native.int4_linear is not None:
         with pytest.raises(InvalidParameterError, match="use int8"):
+            NativeInt4Weight(native, torch.zeros(16, 48, dtype=BF16), None)
+        assert NativeInt4Weight(native, torch.zeros(24, 64, dtype=BF16), None).packed.shape[0] == 1
+    if native.int4_f32_linear is not None:
+        with pytest.raises(InvalidParameterError, match="use int8"):
             NativeInt4Weight(native, torch.zeros(16, 48), None)
-        assert NativeInt4Weight(native, torch.zeros(24, 64), None).packed.shape[0] == 1
+        assert NativeInt4Weight(native, torch.zeros(24, 64), None).packed.shape[0] == 2
 
 
 def test_without_onednn_support_weights_stay_plain(tiny_model_dir, monkeypatch):

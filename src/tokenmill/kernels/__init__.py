@@ -61,11 +61,13 @@ class NativeOps:
     int4_linear: Callable | None
     paged_prefill_attention: Callable | None
     # float32 activations, None unless the CPU has AVX2 and FMA but no AVX-512F: linear
-    # layers over float32 or int8 weights in f32_pack_weight's / int8_f32_pack_weight's layout
+    # layers over float32, int8 or int4 weights in f32_pack_weight's /
+    # int8_f32_pack_weight's / weight_formats.NativeInt4Weight's layout
     f32_pack_weight: Callable | None
     f32_linear: Callable | None
     int8_f32_pack_weight: Callable | None
     int8_f32_linear: Callable | None
+    int4_f32_linear: Callable | None
 
 
 @functools.cache
@@ -103,7 +105,7 @@ def native_ops() -> NativeOps | None:
                          "int4_linear", "paged_prefill_attention")}
     f32 = {name: getattr(ops, name) if hasattr(ops, "f32_linear") else None
            for name in ("f32_pack_weight", "f32_linear", "int8_f32_pack_weight",
-                        "int8_f32_linear")}
+                        "int8_f32_linear", "int4_f32_linear")}
     return NativeOps(ops.paged_decode_attention, ops.rms_norm, ops.silu_and_mul,
                      ops.rotary_store_kv, ops.argmax_rows, ops.sample_rows, **bf16, **f32)
 

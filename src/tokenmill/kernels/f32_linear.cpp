@@ -1,11 +1,14 @@
-// Linear layers with float32 activations on AVX2 + FMA, over weights in float32 or in int8
-// with one float32 scale per output row:
+// Linear layers with float32 activations on AVX2 + FMA, over weights in float32, in int8
+// with one float32 scale per output row, or in 4 bits with a float32 scale and minimum
+// per 32 inputs of a row:
 //
 //   f32_pack_weight(w [N, K] float32)                     -> packed (the layout below)
 //   f32_linear(x [M, K], packed, N, bias?, residual?)     -> x @ w.T (+ bias) (+ residual)
 //   int8_f32_pack_weight(q [N, K] int8)                   -> packed (the same layout)
 //   int8_f32_linear(x [M, K], packed, scales [N], N, bias?, residual?)
 //                                                         -> (x @ q.T) * scales (+ ...)
+//   int4_f32_linear(x [M, K], packed, scales, mins, N, bias?, residual?)
+//                                   -> x @ (q * scale + min).T (+ ...)   (see Int4Weights)
 //
 // The float32 counterpart of bf16_linear.cpp, for CPUs whose fast arithmetic is float32
 // FMA (AVX2 without AVX-512: 8 lanes). At a decode step's batch sizes a linear layer is
@@ -26,7 +29,9 @@
 // Threads split the panels; each streams its panels in order, and while it multiplies one
 // it requests the next into cache, so memory keeps streaming during the arithmetic. Rows go
 // through in chunks of at most kMaxRows (a register tile of kMaxRows rows x 16 float32
-// accumulators); the second and later chunks find the panel in cache.
+// accumulators); the second and later chunks find the panel in cache. With more than two
+// chunks, an int8 panel is widened once into a float32 copy, which the chunks then share;
+// an int4 panel always is (its values, scaled and shifted, are the weights).
 //
 // Built only for CPUs with AVX2 and FMA but no AVX-512F (the compiler targets the host):
 // with AVX-512, oneDNN's 16-lane float32 kernels have twice this peak, and these ops do not
@@ -50,6 +55,9 @@ namespace {
 
 constexpr int64_t kPanel = 16;  // outputs per panel
 constexpr int kMaxRows = 6;  // rows per micro-kernel call: 2 x 6 accumulators of 16
+// int4 weights multiply up to this many rows directly (2 x 4 group sums, 4 weight
+// registers); more rows take a float32 copy of each panel (see linear)
+constexpr int kInt4DirectRows = 4;
 constexpr int64_t kMaxSharingChunks = 6;
 constexpr int64_t kLine = 64;  // bytes per cache line
 
@@ -58,6 +66,7 @@ int64_t panels_for(int64_t n) { return (n + kPanel - 1) / kPanel; }
 // Weight elements of one kind: one input's 16 outputs (a record) read into two registers.
 struct F32Weights {
   using Elem = float;
+  static constexpr int64_t kInputsPerRecord = 1;
   static inline void load(const Elem* record, __m256& w0, __m256& w1) {
     w0 = _mm256_loadu_ps(record);
     w1 = _mm256_loadu_ps(record + 8);
@@ -66,12 +75,23 @@ struct F32Weights {
 
 struct Int8Weights {
   using Elem = int8_t;
+  static constexpr int64_t kInputsPerRecord = 1;
   // |q| <= 127 is exact in float32
   static inline void load(const Elem* record, __m256& w0, __m256& w1) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(record));
     w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
     w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
   }
+};
+
+// 4-bit weights in groups of kGroup inputs, each (output, group) with a float32 scale and
+// minimum: w = q * scale + min, q in 0..15. A record holds two inputs' 16 outputs in 16
+// bytes, byte lane = q[2 kp] | q[2 kp + 1] << 4 (packed by weight_formats.NativeInt4Weight);
+// scales and minimums are [panels, K / kGroup, 16].
+struct Int4Weights {
+  using Elem = uint8_t;
+  static constexpr int64_t kInputsPerRecord = 2;
+  static constexpr int64_t kGroup = 32;
 };
 
 template <typename W>
@@ -155,6 +175,10 @@ struct Operands {
   const float* x;
   int64_t x_stride, k, n;
   const float* scales;  // per output, or null (1)
+  const float* group_scales;  // int4 only: [panels, K / 32, 16] scales and minimums,
+  const float* group_mins;
+  const float* x_sums;  // and [M, K / 32] sums of each row of x per group
+
   const float* bias;  // per output, or null
   const float* residual;  // [M, n], or null
   int64_t res_stride;
@@ -180,12 +204,73 @@ inline void store_lanes(float* dst, __m256 v, int64_t width) {
   std::copy(lanes, lanes + width, dst);
 }
 
+// int4's direct pass over a panel for a few rows, group by group: each group's sums of
+// x q build in named registers (p<row><half>), then go into acc scaled by the group's
+// scale, plus its minimum times the group's sum of x. Two inputs per record: the low
+// nibbles are input 2 kp, the high ones 2 kp + 1.
+template <int ROWS>
+inline void int4_panel_kernel(const Operands& op, int64_t row, const uint8_t* panel,
+                              Ahead ahead, int64_t p, __m256 (&acc)[kMaxRows][2]) {
+  static_assert(ROWS >= 1 && ROWS <= kInt4DirectRows);
+  constexpr int64_t kGroupRecords = Int4Weights::kGroup / 2;
+  constexpr int64_t kRecordsPerLine = kLine / kPanel;
+  const int64_t groups = op.k / Int4Weights::kGroup;
+  const float* scales = op.group_scales + p * groups * kPanel;
+  const float* mins = op.group_mins + p * groups * kPanel;
+  const float* x = op.x + row * op.x_stride;
+  const int64_t xs = op.x_stride;
+  const __m256i nibble = _mm256_set1_epi32(0xf);
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0, turn = ahead.pass; g < groups; ++g) {
+    __m256 p00, p01, p10, p11, p20, p21, p30, p31;
+    p00 = p01 = p10 = p11 = p20 = p21 = p30 = p31 = _mm256_setzero_ps();
+    for (int64_t kp = g * kGroupRecords; kp < (g + 1) * kGroupRecords; ++kp) {
+      if (kp % kRecordsPerLine == 0) {
+        if (turn == ahead.passes) turn = 0;
+        if (ahead.panel && turn == 0) _mm_prefetch(ahead.panel + kp * kPanel, _MM_HINT_T1);
+        ++turn;
+      }
+      const __m128i bytes =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + kp * kPanel));
+      const __m256i lanes0 = _mm256_cvtepu8_epi32(bytes);
+      const __m256i lanes1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+      const __m256 e0 = _mm256_cvtepi32_ps(_mm256_and_si256(lanes0, nibble));
+      const __m256 o0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(lanes0, 4));
+      const __m256 e1 = _mm256_cvtepi32_ps(_mm256_and_si256(lanes1, nibble));
+      const __m256 o1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(lanes1, 4));
+#define TOKENMILL_ROW(r)                                                   \
+  if constexpr (ROWS > r) {                                                \
+    const __m256 xe = _mm256_broadcast_ss(x + r * xs + 2 * kp);           \
+    const __m256 xo = _mm256_broadcast_ss(x + r * xs + 2 * kp + 1);       \
+    p##r##0 = _mm256_fmadd_ps(xo, o0, _mm256_fmadd_ps(xe, e0, p##r##0));   \
+    p##r##1 = _mm256_fmadd_ps(xo, o1, _mm256_fmadd_ps(xe, e1, p##r##1));   \
+  }
+      TOKENMILL_ROW(0) TOKENMILL_ROW(1) TOKENMILL_ROW(2) TOKENMILL_ROW(3)
+#undef TOKENMILL_ROW
+    }
+    const __m256 part[kInt4DirectRows][2] = {{p00, p01}, {p10, p11}, {p20, p21}, {p30, p31}};
+    for (int h = 0; h < 2; ++h) {
+      const __m256 scale = _mm256_loadu_ps(scales + g * kPanel + 8 * h);
+      const __m256 min = _mm256_loadu_ps(mins + g * kPanel + 8 * h);
+      for (int r = 0; r < ROWS; ++r) {
+        acc[r][h] = _mm256_fmadd_ps(part[r][h], scale, acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(op.x_sums[(row + r) * groups + g]), min,
+                                    acc[r][h]);
+      }
+    }
+  }
+}
+
 // Rows [row, row + ROWS) of the call times panel p.
 template <typename W, int ROWS>
 void rows_times_panel(const Operands& op, int64_t row, const typename W::Elem* panel,
                       Ahead ahead, int64_t p) {
   __m256 acc[kMaxRows][2];
-  panel_kernel<W, ROWS>(op.x + row * op.x_stride, op.x_stride, op.k, panel, ahead, acc);
+  if constexpr (std::is_same_v<W, Int4Weights>) {
+    int4_panel_kernel<ROWS>(op, row, panel, ahead, p, acc);
+  } else {
+    panel_kernel<W, ROWS>(op.x + row * op.x_stride, op.x_stride, op.k, panel, ahead, acc);
+  }
   for (int h = 0; h < 2; ++h) {
     const int64_t col = p * kPanel + 8 * h;
     if (col >= op.n) break;
@@ -210,7 +295,9 @@ constexpr auto make_table(std::integer_sequence<int, R...>) {
   return std::array<RowsFn<W>, sizeof...(R)>{&rows_times_panel<W, R + 1>...};
 }
 template <typename W>
-constexpr auto kRowsFns = make_table<W>(std::make_integer_sequence<int, kMaxRows>{});
+constexpr auto kRowsFns = make_table<W>(
+    std::make_integer_sequence<int, std::is_same_v<W, Int4Weights> ? kInt4DirectRows
+                                                                    : kMaxRows>{});
 
 // All the rows of the call times panel p, in chunks of at most kMaxRows; ``next``: the
 // panel to request into cache meanwhile, or null.
@@ -236,10 +323,60 @@ void panel_times_rows(const Operands& op, int64_t m, const typename W::Elem* pan
 // of rows.
 constexpr int64_t kWidenFromRows = 2 * kMaxRows + 1;
 
-// The checks and the loop shared by both weight kinds (``scales``: int8's, else null).
+// Panel p of int8 weights as float32 into dst (its [K, 16] layout), requesting ``next``
+// (the next panel, or null) into cache meanwhile.
+void widen_panel(const Operands& op, const int8_t* panel, int64_t, const int8_t* next,
+                 float* dst) {
+  for (int64_t i = 0; i < op.k; ++i) {
+    if (next && i % (kLine / kPanel) == 0) _mm_prefetch(next + i * kPanel, _MM_HINT_T1);
+    __m256 w0, w1;
+    Int8Weights::load(panel + i * kPanel, w0, w1);
+    _mm256_storeu_ps(dst + i * kPanel, w0);
+    _mm256_storeu_ps(dst + i * kPanel + 8, w1);
+  }
+}
+
+// Panel p of int4 weights as float32 (q * scale + min) into dst, likewise.
+void widen_panel(const Operands& op, const uint8_t* panel, int64_t p, const uint8_t* next,
+                 float* dst) {
+  constexpr int64_t kGroupRecords = Int4Weights::kGroup / 2;
+  const int64_t groups = op.k / Int4Weights::kGroup;
+  const float* scales = op.group_scales + p * groups * kPanel;
+  const float* mins = op.group_mins + p * groups * kPanel;
+  const __m256i nibble = _mm256_set1_epi32(0xf);
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256 scale[2] = {_mm256_loadu_ps(scales + g * kPanel),
+                             _mm256_loadu_ps(scales + g * kPanel + 8)};
+    const __m256 min[2] = {_mm256_loadu_ps(mins + g * kPanel),
+                           _mm256_loadu_ps(mins + g * kPanel + 8)};
+    for (int64_t kp = g * kGroupRecords; kp < (g + 1) * kGroupRecords; ++kp) {
+      if (next && kp % (kLine / kPanel) == 0) _mm_prefetch(next + kp * kPanel, _MM_HINT_T1);
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + kp * kPanel));
+      const __m256i lanes[2] = {_mm256_cvtepu8_epi32(bytes),
+                                _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))};
+      float* even = dst + 2 * kp * kPanel;
+      for (int h = 0; h < 2; ++h) {
+        const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(lanes[h], nibble));
+        const __m256 high = _mm256_cvtepi32_ps(_mm256_srli_epi32(lanes[h], 4));
+        _mm256_storeu_ps(even + 8 * h, _mm256_fmadd_ps(low, scale[h], min[h]));
+        _mm256_storeu_ps(even + kPanel + 8 * h, _mm256_fmadd_ps(high, scale[h], min[h]));
+      }
+    }
+  }
+}
+
+// int4's per-group operands (see Operands); all null for the other kinds.
+struct GroupOperands {
+  const float* scales = nullptr;
+  const float* mins = nullptr;
+  const float* x_sums = nullptr;
+};
+
+// The checks and the loop shared by every weight kind (``scales``: int8's, else null).
 template <typename W>
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const float* scales,
-                  int64_t out_features, const std::optional<at::Tensor>& bias,
+                  GroupOperands groups, int64_t out_features,
+                  const std::optional<at::Tensor>& bias,
                   const std::optional<at::Tensor>& residual, at::ScalarType weight_type,
                   const char* packer) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
@@ -247,7 +384,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const float* sc
   const int64_t m = x.size(0), k = x.size(1), n = out_features;
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
                   packed.scalar_type() == weight_type && packed.size(0) == panels_for(n) &&
-                  packed.size(1) == k && packed.size(2) == kPanel,
+                  packed.size(1) * W::kInputsPerRecord == k && packed.size(2) == kPanel,
               "packed must be ", packer, "'s packing of an [out_features, K] weight");
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
                         bias->scalar_type() == at::kFloat),
@@ -258,31 +395,31 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const float* sc
               "residual must be [M, out_features] float32 with contiguous rows");
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
-  const Operands op{x.data_ptr<float>(), x.stride(0), k, n, scales,
+  const Operands op{x.data_ptr<float>(), x.stride(0), k, n, scales, groups.scales,
+                    groups.mins, groups.x_sums,
                     bias ? bias->data_ptr<float>() : nullptr,
                     residual ? residual->data_ptr<float>() : nullptr,
                     residual ? residual->stride(0) : 0, out.data_ptr<float>(), n};
   const auto* weights = reinterpret_cast<const typename W::Elem*>(packed.data_ptr());
-  const int64_t panel_size = k * kPanel;  // elements
+  const int64_t panel_size = packed.size(1) * kPanel;  // elements
+  bool widen = false;
+  if constexpr (std::is_same_v<W, Int8Weights>) widen = m >= kWidenFromRows;
+  if constexpr (std::is_same_v<W, Int4Weights>) widen = m > kInt4DirectRows;
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> widened;
+    std::vector<float> widened(widen ? k * kPanel : 0);
     for (int64_t p = begin; p < end; ++p) {
       const auto* panel = weights + p * panel_size;
       const auto* next = p + 1 < end ? panel + panel_size : nullptr;
-      if constexpr (std::is_same_v<W, Int8Weights>) {
-        if (m >= kWidenFromRows) {
-          widened.resize(panel_size);
-          for (int64_t i = 0; i < panel_size; i += kPanel) {
-            __m256 w0, w1;
-            Int8Weights::load(panel + i, w0, w1);
-            _mm256_storeu_ps(widened.data() + i, w0);
-            _mm256_storeu_ps(widened.data() + i + 8, w1);
-          }
-          panel_times_rows<F32Weights>(op, m, widened.data(), next, p);
-          continue;
-        }
+      if constexpr (std::is_same_v<W, F32Weights>) {
+        panel_times_rows<W>(op, m, panel, next, p);
+      } else if (widen) {
+        widen_panel(op, panel, p, next, widened.data());
+        panel_times_rows<F32Weights>(op, m, widened.data(), nullptr, p);
+      } else if constexpr (std::is_same_v<W, Int8Weights>) {
+        panel_times_rows<W>(op, m, panel, next, p);
+      } else {  // int4, a single chunk of rows
+        kRowsFns<W>[m - 1](op, 0, panel, Ahead{reinterpret_cast<const char*>(next), 0, 1}, p);
       }
-      panel_times_rows<W>(op, m, panel, next, p);
     }
   });
   return out;
@@ -291,8 +428,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const float* sc
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                       const std::optional<at::Tensor>& bias,
                       const std::optional<at::Tensor>& residual) {
-  return linear<F32Weights>(x, packed, nullptr, out_features, bias, residual, at::kFloat,
-                            "f32_pack_weight");
+  return linear<F32Weights>(x, packed, nullptr, {}, out_features, bias, residual,
+                            at::kFloat, "f32_pack_weight");
 }
 
 at::Tensor int8_f32_linear(const at::Tensor& x, const at::Tensor& packed,
@@ -302,8 +439,37 @@ at::Tensor int8_f32_linear(const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == out_features && scales.is_contiguous() &&
                   scales.scalar_type() == at::kFloat,
               "scales must be [out_features] float32");
-  return linear<Int8Weights>(x, packed, scales.data_ptr<float>(), out_features, bias,
+  return linear<Int8Weights>(x, packed, scales.data_ptr<float>(), {}, out_features, bias,
                              residual, at::kChar, "int8_f32_pack_weight");
+}
+
+// packed [panels, K / 2, 16] uint8 as Int4Weights describes; scales and mins
+// [panels, K / 32, 16] float32 (output 16 p + o of panel p at [p, group, o]).
+at::Tensor int4_f32_linear(const at::Tensor& x, const at::Tensor& packed,
+                           const at::Tensor& scales, const at::Tensor& mins,
+                           int64_t out_features, const std::optional<at::Tensor>& bias,
+                           const std::optional<at::Tensor>& residual) {
+  constexpr int64_t kGroup = Int4Weights::kGroup;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0,
+              "x must be [M, K] with K a multiple of ", kGroup);
+  for (const at::Tensor* t : {&scales, &mins}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == panels_for(out_features) &&
+                    t->size(1) == x.size(1) / kGroup && t->size(2) == kPanel &&
+                    t->is_contiguous() && t->scalar_type() == at::kFloat,
+                "scales and mins must be [panels, K / ", kGroup, ", ", kPanel, "] float32");
+  }
+  // each row's sum of x over each group, for the minimums (direct path only)
+  const int64_t m = x.size(0), groups = x.size(1) / kGroup;
+  at::Tensor x_sums;
+  if (m <= kInt4DirectRows && x.scalar_type() == at::kFloat) {
+    x_sums = x.reshape({m, groups, kGroup}).sum(-1).contiguous();
+  }
+  return linear<Int4Weights>(
+      x, packed, nullptr,
+      {scales.data_ptr<float>(), mins.data_ptr<float>(),
+       x_sums.defined() ? x_sums.data_ptr<float>() : nullptr},
+      out_features, bias, residual, at::kByte,
+      "tokenmill's int4 packing (weight_formats.NativeInt4Weight)");
 }
 
 }  // namespace
@@ -315,6 +481,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("int8_f32_pack_weight(Tensor weight) -> Tensor");
   m.def("int8_f32_linear(Tensor x, Tensor packed, Tensor scales, int out_features, "
         "Tensor? bias, Tensor? residual) -> Tensor");
+  m.def("int4_f32_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, "
+        "int out_features, Tensor? bias, Tensor? residual) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
@@ -322,6 +490,7 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("f32_linear", &f32_linear);
   m.impl("int8_f32_pack_weight", &int8_f32_pack_weight);
   m.impl("int8_f32_linear", &int8_f32_linear);
+  m.impl("int4_f32_linear", &int4_f32_linear);
 }
 
 #endif  // AVX2 + FMA, no AVX-512F

@@ -4,38 +4,44 @@ After loading, ``choose_weight_format(dtype, device, quantization, native)`` nam
 fastest exact-enough form this host supports, and every ``Linear`` (and the tied output
 head) converts its plain ``[out, in]`` weight into it once:
 
-- ``NativeBF16Weight``: bfloat16 on a CPU with AVX512-BF16 but no AMX, with the engine's
-  native kernels (``tokenmill.kernels``): panels of 32 outputs in VDPBF16PS's pair
-  layout. Same arithmetic as oneDNN's bfloat16 kernels (exact products summed in float32,
-  one rounding), faster at every batch size up to a few hundred rows: it reads the weight
-  once per call and keeps memory streaming while it computes (1.2 to 1.6x oneDNN's speed
-  at 1 to 64 rows, equal at 512). A CPU with AMX keeps oneDNN, whose AMX tiles multiply
-  a prefill's rows several times faster than VDPBF16PS can.
+- ``NativeWeight``: the engine's native kernels (``tokenmill.kernels``), which read the
+  weight once per call and keep memory streaming while they compute:
+  - bfloat16 on a CPU with AVX512-BF16 but no AMX: panels of 32 outputs in VDPBF16PS's
+    pair layout. Same arithmetic as oneDNN's bfloat16 kernels (exact products summed in
+    float32, one rounding), 1.2 to 1.6x oneDNN's speed at 1 to 64 rows, equal at 512. A
+    CPU with AMX keeps oneDNN, whose AMX tiles multiply a prefill's rows several times
+    faster than VDPBF16PS can.
+  - float32 on a CPU with AVX2 and FMA but no AVX-512: panels of 16 outputs for 8-lane
+    FMA. Same arithmetic as ``F.linear`` (float32 products and sums), 1.3 to 2.5x
+    oneDNN's speed at 1 to 64 rows, about equal at 256 (where oneDNN has AVX-512, it
+    keeps its kernels: twice this peak).
 - ``OneDNNWeight``: oneDNN's blocked layout, for the CPU in float32, bfloat16 or float16.
   Same arithmetic as ``F.linear`` (one product and sum per output, in the dtype), about
   twice as fast for the small batches of decoding. Only where oneDNN can reorder the
   dtype on this CPU: its bfloat16 reorder needs AVX512-BW/VL/DQ or AVX-NE-CONVERT, so an
   AVX2-only host keeps bfloat16 weights plain (``onednn_supports`` probes it).
-- ``Int8Weight``: ``--quantization int8``, CPU, bfloat16 activations. Weights are int8
-  with one scale per output row (symmetric), expanded to bfloat16 inside the kernel
+- ``Int8Weight``: ``--quantization int8``, CPU, bfloat16 or float32 activations. Weights
+  are int8 with one scale per output row (symmetric), widened inside the kernel
   (weight-only: a quarter of float32's bytes to read per decode step). Activations stay
   in floating point because quantizing them too (dynamic int8, per tensor or per row)
   raised the embedded model's perplexity by 5 to 12%; weight-only int8 costs 0.2%.
-- ``NativeInt8Weight``: the same int8 weights and scales (float32 scales) for the native
-  ``int8_linear`` kernel, where the engine has it (AVX512-BF16): the bfloat16 kernel's
-  panels with int8 elements, widened in registers; 1.5x the bfloat16 kernel's speed at
-  one row, 1.9 to 2.4x PyTorch's int8 kernel.
+- ``NativeInt8Weight``: the same int8 weights and scales (float32 scales) for a native
+  int8 kernel, where the engine has one: the native kernel's panels with int8 elements,
+  widened in registers. bfloat16 activations (AVX512-BF16): 1.5x the bfloat16 kernel's
+  speed at one row, 1.9 to 2.4x PyTorch's int8 kernel; float32 activations (AVX2): 2 to
+  2.8x the float32 kernel's speed at one row, about equal from 8 rows on.
 - ``NativeInt4Weight``: ``--quantization int4`` with the native ``int4_linear`` kernel
   (AVX512-BF16): 4-bit values in the same panels, a float32 scale and minimum per 32
   inputs of a row (Q4_1's own form, so a Q4_1 file's values come back exactly, scales
   included); about as fast as native int8 (faster at one row), 1.8x PyTorch's 4-bit
   kernel at 16 rows and more. Its head is ``NativeInt8Weight``.
-- ``Int4Weight``: ``--quantization int4``, CPU, bfloat16 activations. Weights are 4-bit
-  with a scale and a zero per 32 inputs (asymmetric: the group's minimum and maximum map
-  to 0 and 15), the layout of a GGUF file's Q4_1 blocks: from such a file's dequantized
-  weights it recovers the file's own 4-bit values, and only its fp16 scales and minimums
-  are rounded to bfloat16. An eighth of float32's bytes. The output head keeps
-  ``Int8Weight`` (a GGUF file stores it in 8 bits; 4 bits there cost accuracy).
+- ``Int4Weight``: ``--quantization int4``, CPU, bfloat16 or float32 activations (PyTorch's
+  4-bit kernel). Weights are 4-bit with a scale and a zero per 32 inputs (asymmetric: the
+  group's minimum and maximum map to 0 and 15), the layout of a GGUF file's Q4_1 blocks:
+  from such a file's dequantized weights it recovers the file's own 4-bit values, and in
+  bfloat16 only its fp16 scales and minimums are rounded (in float32 they are exact). An
+  eighth of float32's bytes. The output head keeps ``Int8Weight`` (a GGUF file stores it
+  in 8 bits; 4 bits there cost accuracy).
 - ``None``: plain ``F.linear`` (CUDA, or no packed form for this dtype here).
 
 Every format computes ``x @ W.T + bias`` (``__call__``) and ``residual + x @ W.T + bias``
@@ -69,15 +75,14 @@ class OneDNNWeight:
 
 
 class NativeWeight:
-    """Weights in the layout of one of the native linear kernels: ``pack`` and ``linear``
-    are ``bf16_pack_weight`` and ``bf16_linear`` (bfloat16) or ``f32_pack_weight`` and
-    ``f32_linear`` (float32)."""
+    """Weights for the native linear kernel of their dtype: ``bf16_linear`` (bfloat16) or
+    ``f32_linear`` (float32); needs that kernel in ``ops``."""
 
-    def __init__(self, pack: Callable, linear: Callable, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> None:
-        self.linear = linear
+    def __init__(self, ops: NativeOps, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        bf16 = weight.dtype == torch.bfloat16
+        self.linear = ops.bf16_linear if bf16 else ops.f32_linear
         self.out_features = weight.shape[0]
-        self.packed = pack(weight)
+        self.packed = (ops.bf16_pack_weight if bf16 else ops.f32_pack_weight)(weight)
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,16 +119,16 @@ class Int8Weight:
 
 
 class NativeInt8Weight:
-    """``Int8Weight``'s quantization for a native int8 kernel: ``pack`` and ``linear`` are
-    ``int8_pack_weight`` and ``int8_linear`` (bfloat16 activations) or
-    ``int8_f32_pack_weight`` and ``int8_f32_linear`` (float32); the scales stay float32."""
+    """``Int8Weight``'s quantization for the native int8 kernel of the weight's dtype:
+    ``int8_linear`` (bfloat16 activations) or ``int8_f32_linear`` (float32); the scales
+    stay float32."""
 
-    def __init__(self, pack: Callable, linear: Callable, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> None:
-        self.linear = linear
+    def __init__(self, ops: NativeOps, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        bf16 = weight.dtype == torch.bfloat16
+        self.linear = ops.int8_linear if bf16 else ops.int8_f32_linear
         self.out_features = weight.shape[0]
         q, self.scales = quantize_int8_rows(weight)
-        self.packed = pack(q)
+        self.packed = (ops.int8_pack_weight if bf16 else ops.int8_f32_pack_weight)(q)
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,13 +178,13 @@ class Int4Weight:
 
 
 class NativeInt4Weight:
-    """4-bit weights for the native ``int4_linear`` kernel (needs ``ops.int4_linear``):
-    per ``GROUP`` inputs of a row a float32 scale and minimum, ``w = q * scale + min``
-    with q in 0..15 (the group's minimum and maximum map to 0 and 15, as in a GGUF Q4_1
-    block, whose values it recovers exactly). Needs ``in % GROUP == 0``."""
+    """4-bit weights for the native int4 kernel of the weight's dtype: ``int4_linear``
+    (bfloat16 activations, panels of 32 outputs) or ``int4_f32_linear`` (float32, panels
+    of 16). Per ``GROUP`` inputs of a row a float32 scale and minimum, ``w = q * scale +
+    min`` with q in 0..15 (the group's minimum and maximum map to 0 and 15, as in a GGUF
+    Q4_1 block, whose values it recovers exactly). Needs ``in % GROUP == 0``."""
 
     GROUP = 32
-    PANEL = 32  # outputs per panel of the kernel's layout
 
     def __init__(self, ops: NativeOps, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         out_features, in_features = weight.shape
@@ -187,20 +192,24 @@ class NativeInt4Weight:
             raise InvalidParameterError(
                 f"--quantization int4 needs projections of a multiple of {self.GROUP} inputs, "
                 f"this model has {in_features}: use int8", "quantization")
-        panels = -(-out_features // self.PANEL)
-        padded = torch.zeros(panels * self.PANEL, in_features)
+        bf16 = weight.dtype == torch.bfloat16
+        panel = 32 if bf16 else 16  # outputs per panel of the kernel's layout
+        panels = -(-out_features // panel)
+        padded = torch.zeros(panels * panel, in_features)
         padded[:out_features] = weight.float()
         groups = padded.view(-1, in_features // self.GROUP, self.GROUP)
         low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
         scales = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
         q = ((groups - low) / scales).round_().clamp_(0, 15).to(torch.uint8)
-        # [panels, half, lane, K / 2, pair] -> [panels, K / 2, half, lane]: one byte a pair
-        q = q.view(panels, 2, 16, in_features // 2, 2).permute(0, 3, 1, 2, 4)
-        self.packed = (q[..., 0] | (q[..., 1] << 4)).contiguous()
-        # [panels * 32, groups] -> [panels, groups, 32]
-        self.scales, self.mins = (t.view(panels, self.PANEL, -1).transpose(1, 2).contiguous()
+        # [panels, output, K / 2, pair] -> [panels, K / 2, output, pair]: one byte a pair
+        q = q.view(panels, panel, in_features // 2, 2).transpose(1, 2)
+        packed = (q[..., 0] | (q[..., 1] << 4)).contiguous()
+        # the bfloat16 kernel takes its panel's outputs as [2, 16]
+        self.packed = packed.view(panels, in_features // 2, 2, 16) if bf16 else packed
+        # [panels * panel, groups] -> [panels, groups, panel]
+        self.scales, self.mins = (t.view(panels, panel, -1).transpose(1, 2).contiguous()
                                   for t in (scales, low))
-        self.linear = ops.int4_linear
+        self.linear = ops.int4_linear if bf16 else ops.int4_f32_linear
         self.out_features = out_features
         self.bias = bias
 
@@ -225,8 +234,7 @@ def head_format(fmt: WeightFormat) -> WeightFormat:
     if fmt is Int4Weight:
         return Int8Weight
     if isinstance(fmt, functools.partial) and fmt.func is NativeInt4Weight:
-        ops = fmt.args[0]
-        return functools.partial(NativeInt8Weight, ops.int8_pack_weight, ops.int8_linear)
+        return functools.partial(NativeInt8Weight, *fmt.args)
     return fmt
 
 
@@ -237,8 +245,6 @@ def choose_weight_format(dtype: torch.dtype, device: torch.device, quantization:
 
     Raises ``InvalidParameterError`` for a quantization this device or dtype cannot run.
     """
-    bf16_kernels = native is not None and native.bf16_linear is not None
-    f32_kernels = native is not None and native.f32_linear is not None
     if quantization in ("int8", "int4"):
         if device.type != "cpu":
             raise InvalidParameterError(f"--quantization {quantization} runs on the CPU only",
@@ -247,25 +253,30 @@ def choose_weight_format(dtype: torch.dtype, device: torch.device, quantization:
             raise InvalidParameterError(
                 f"--quantization {quantization} computes in bfloat16 or float32: use --dtype "
                 "auto, bfloat16 or float32", "quantization")
+        native_kernel = _has_native_kernel(native, quantization, dtype)
         if quantization == "int4":
-            if dtype == torch.bfloat16 and bf16_kernels:
-                return functools.partial(NativeInt4Weight, native)
-            return Int4Weight
-        if dtype == torch.bfloat16 and bf16_kernels:
-            return functools.partial(NativeInt8Weight, native.int8_pack_weight,
-                                     native.int8_linear)
-        if dtype == torch.float32 and f32_kernels:
-            return functools.partial(NativeInt8Weight, native.int8_f32_pack_weight,
-                                     native.int8_f32_linear)
-        return Int8Weight
+            return functools.partial(NativeInt4Weight, native) if native_kernel else Int4Weight
+        return functools.partial(NativeInt8Weight, native) if native_kernel else Int8Weight
     assert quantization == "none", "EngineConfig validates the name"
-    if device.type == "cpu" and dtype == torch.bfloat16 and bf16_kernels and not cpu_has_amx():
-        return functools.partial(NativeWeight, native.bf16_pack_weight, native.bf16_linear)
-    if device.type == "cpu" and dtype == torch.float32 and f32_kernels:
-        return functools.partial(NativeWeight, native.f32_pack_weight, native.f32_linear)
+    if (device.type == "cpu" and _has_native_kernel(native, quantization, dtype)
+            and not (dtype == torch.bfloat16 and cpu_has_amx())):
+        return functools.partial(NativeWeight, native)
     if device.type == "cpu" and onednn_supports(dtype):
         return OneDNNWeight
     return None
+
+
+# The native linear kernel (its ``NativeOps`` field) for each quantization and dtype.
+_NATIVE_KERNELS = {
+    ("none", torch.bfloat16): "bf16_linear", ("none", torch.float32): "f32_linear",
+    ("int8", torch.bfloat16): "int8_linear", ("int8", torch.float32): "int8_f32_linear",
+    ("int4", torch.bfloat16): "int4_linear", ("int4", torch.float32): "int4_f32_linear",
+}
+
+
+def _has_native_kernel(native: NativeOps | None, quantization: str, dtype: torch.dtype) -> bool:
+    field = _NATIVE_KERNELS.get((quantization, dtype))
+    return native is not None and field is not None and getattr(native, field) is not None
 
 
 @functools.cache
