@@ -1,7 +1,9 @@
 """What a dtype or ``--quantization`` costs in accuracy, against float32 on the same weights.
 
 For each configuration (``float32``, the reference; ``bfloat16``; ``int8`` and ``int4``
-weights with bfloat16 activations) it measures, on the embedded model unless ``--model``:
+weights with the activations ``--dtype auto`` gives them, as ``tokenmill serve`` does:
+bfloat16 where the CPU computes it, float32 elsewhere) it measures, on the embedded model
+unless ``--model``:
 
 - perplexity on a fixed public-domain text (``tests/data/public_domain.txt``), one
   prefill through the engine's own forward pass, and its change against float32;
@@ -31,8 +33,8 @@ from tokenmill.models.perplexity import perplexity
 TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests",
                     "data", "public_domain.txt")
 CONFIGS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
-           "int8": {"dtype": "bfloat16", "quantization": "int8"},
-           "int4": {"dtype": "bfloat16", "quantization": "int4"}}
+           "int8": {"dtype": "auto", "quantization": "int8"},
+           "int4": {"dtype": "auto", "quantization": "int4"}}
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.",
     "List three uses of a paperclip.", "Explain photosynthesis in one sentence.",
