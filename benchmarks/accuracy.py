@@ -2,11 +2,14 @@
 
 For each configuration (``float32``, the reference; ``bfloat16``; ``int8`` and ``int4``
 weights with the activations ``--dtype auto`` gives them, as ``tokenmill serve`` does:
-bfloat16 where the CPU computes it, float32 elsewhere) it measures, on the embedded model
-unless ``--model``:
+bfloat16 where the CPU computes it, float32 elsewhere; ``w4a8``, int4 weights times int8
+activations, where its kernel runs; bfloat16 only where the CPU computes it) it measures, on the embedded model unless ``--model``:
 
-- perplexity on a fixed public-domain text (``tests/data/public_domain.txt``), one
-  prefill through the engine's own forward pass, and its change against float32;
+- on a fixed public-domain text (``tests/data/public_domain.txt``), one prefill through
+  the engine's own forward pass: the perplexity and its change against float32, the mean
+  KL divergence of every next-token distribution from float32's (less noisy than the
+  perplexity change on a short text: that one can come out negative), and how often the
+  most likely next token is float32's;
 - greedy agreement on a fixed prompt set (chat-templated questions, ``--max-tokens``
   greedy tokens each, through ``LLM.generate``): how many outputs equal float32's token
   for token, and the mean fraction of tokens before the first difference.
@@ -28,13 +31,16 @@ from rich.console import Console
 from rich.table import Table
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.models.perplexity import perplexity
+from tokenmill.kernels import native_ops
+from tokenmill.models.perplexity import mean_kl_divergence, next_token_logprobs, perplexity_of
+from tokenmill.platform import cpu_has_bf16
 
 TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests",
                     "data", "public_domain.txt")
 CONFIGS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
            "int8": {"dtype": "auto", "quantization": "int8"},
-           "int4": {"dtype": "auto", "quantization": "int4"}}
+           "int4": {"dtype": "auto", "quantization": "int4"},
+           "w4a8": {"dtype": "float32", "quantization": "w4a8"}}
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.",
     "List three uses of a paperclip.", "Explain photosynthesis in one sentence.",
@@ -53,8 +59,9 @@ def measure_config(model: str | None, options: dict, max_tokens: int) -> dict:
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}])
                for q in QUESTIONS]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
-    result = {"perplexity": perplexity(model_module, text_ids), "text_tokens": len(text_ids),
-              "outputs": [list(o.outputs[0].token_ids) for o in outputs]}
+    logprobs = next_token_logprobs(model_module, text_ids)
+    result = {"perplexity": perplexity_of(logprobs, text_ids), "text_tokens": len(text_ids),
+              "logprobs": logprobs, "outputs": [list(o.outputs[0].token_ids) for o in outputs]}
     del llm
     gc.collect()
     return result
@@ -66,11 +73,18 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--out", default="benchmarks/results/accuracy.json")
     args = parser.parse_args()
+    ops = native_ops()
+    skipped = {"w4a8": ops is None or ops.w4a8_linear is None,  # its kernel needs AVX2
+               "bfloat16": not cpu_has_bf16()}  # emulated: minutes per configuration
+    configs = {name: options for name, options in CONFIGS.items() if not skipped.get(name)}
     results = {name: measure_config(args.model, options, args.max_tokens)
-               for name, options in CONFIGS.items()}
+               for name, options in configs.items()}
     reference = results["float32"]
     for r in results.values():
         r["perplexity_change"] = r["perplexity"] / reference["perplexity"] - 1
+        r["kl_divergence"] = mean_kl_divergence(reference["logprobs"], r["logprobs"])
+        r["top1_agreement"] = (r["logprobs"].argmax(-1)
+                               == reference["logprobs"].argmax(-1)).float().mean().item()
         pairs = list(zip(r["outputs"], reference["outputs"], strict=True))
         r["identical_outputs"] = sum(a == b for a, b in pairs)
         r["mean_common_prefix"] = sum(common_prefix(a, b) / max(len(b), 1)
@@ -78,14 +92,18 @@ def main() -> None:
     table = Table(title=f"accuracy against float32: {len(QUESTIONS)} prompts x "
                         f"{args.max_tokens} greedy tokens; perplexity on "
                         f"{reference['text_tokens']} tokens of fixed text")
-    for column in ("config", "perplexity", "change", "identical outputs", "common prefix"):
+    for column in ("config", "perplexity", "change", "KL (nats)", "same top token",
+                   "identical outputs", "common prefix"):
         table.add_column(column, justify="right")
     for name, r in results.items():
         table.add_row(name, f"{r['perplexity']:.3f}", f"{r['perplexity_change']:+.2%}",
+                      f"{r['kl_divergence']:.4f}", f"{r['top1_agreement']:.1%}",
                       f"{r['identical_outputs']}/{len(QUESTIONS)}",
                       f"{r['mean_common_prefix']:.0%}")
     Console(width=110).print(table)
-    write_report({"args": vars(args), "configs": CONFIGS, "results": results}, args.out)
+    for r in results.values():
+        del r["logprobs"]  # [tokens, vocabulary]: too large for the report
+    write_report({"args": vars(args), "configs": configs, "results": results}, args.out)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ from tokenmill.server.limits import RequestLimits
 _ENGINE_HELP = {
     "dtype": "auto (bf16 where the hardware has it), float32, bfloat16 or float16",
     "quantization": "none (default); int8 or int4 (GGUF Q4_1's layout): quantized weights, "
-                    "bfloat16 activations (CPU)",
+                    "activations in the dtype; w4a8: int4 weights times int8 activations, "
+                    "the fastest on CPUs without bfloat16 arithmetic (CPU)",
     "device": "auto (CUDA when present), cpu or cuda[:N]",
     "num_threads": "the engine's compute threads (default: every core)",
     "kernels": "auto (native CPU kernels for attention, norms, rotary and SiLU where they "

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from tokenmill.sampling_params import InvalidParameterError
 
-QUANTIZATION_CHOICES = ("none", "int8", "int4")
+QUANTIZATION_CHOICES = ("none", "int8", "int4", "w4a8")
 KERNEL_CHOICES = ("auto", "native", "torch")
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
@@ -32,7 +32,7 @@ def parse_size(text: str | int, param: str = "kv_cache_memory") -> int:
 class EngineConfig:
     model: str | None = None  # HF folder or GGUF file; None: the embedded SmolLM2
     dtype: str = "auto"
-    quantization: str = "none"  # "none", "int8" or "int4"
+    quantization: str = "none"  # "none", "int8", "int4" or "w4a8"
     device: str = "auto"
     num_threads: int | None = None  # compute threads; None: PyTorch's default (every core)
     kernels: str = "auto"  # "native" (CPU), "torch", or "auto": native where they build

@@ -25,6 +25,7 @@ from tokenmill.models.weight_formats import (
     Int8Weight,
     NativeInt4Weight,
     NativeInt8Weight,
+    NativeW4A8Weight,
     NativeWeight,
     OneDNNWeight,
     choose_weight_format,
@@ -226,6 +227,34 @@ def test_int4_recovers_the_4_bit_values_of_q4_1_blocks(kernels, dtype, op, reque
     assert ((dequantized - weight).abs() / step).max() < 0.1  # bfloat16 rounding, not a step
 
 
+@pytest.mark.parametrize("variant", ["llama", "llama_untied", "qwen2"])
+def test_w4a8_matches_float32_within_quantization_error(tiny_model_dir, variant, native):
+    if native.w4a8_linear is None:
+        pytest.skip("the w4a8 kernel needs a CPU with AVX2 and FMA")
+    model_dir = tiny_model_dir(variant)
+    quantized, _ = load_model(model_dir, torch.float32, CPU, "w4a8", native)
+    head = NativeInt8Weight if native.int8_f32_linear else Int8Weight  # 8 bits, float32 x
+    assert packed_formats(quantized) == {NativeW4A8Weight, head}
+    got = mixed_batch_logits(quantized)
+    reference = mixed_batch_logits(unpacked_model(model_dir, torch.float32))
+    # int4's bound: 8-bit activations add little to the 4-bit weights' error
+    torch.testing.assert_close(got, reference, atol=0.8, rtol=0.1)
+
+
+def test_w4a8_runs_only_as_its_native_kernel(native):
+    without = dataclasses.replace(native, w4a8_linear=None)
+    with pytest.raises(InvalidParameterError, match="AVX2 and FMA") as info:
+        choose_weight_format(torch.float32, CPU, "w4a8", without)
+    assert info.value.param == "quantization"
+    for dtype in (BF16, torch.float16):
+        with pytest.raises(InvalidParameterError, match="float32 activations"):
+            choose_weight_format(dtype, CPU, "w4a8", native)
+    with pytest.raises(InvalidParameterError, match="CPU only"):
+        choose_weight_format(torch.float32, torch.device("cuda"), "w4a8", native)
+    with pytest.raises(InvalidParameterError, match="use int8"):
+        NativeW4A8Weight(native, torch.zeros(16, 48), None)
+
+
 def test_int4_rejects_shapes_its_kernel_cannot_pack(native):
     with pytest.raises(InvalidParameterError, match="use int8"):
         Int4Weight(torch.zeros(16, 48), None)  # 48 inputs: not a multiple of 32
@@ -263,16 +292,19 @@ def test_quantization_rejects_what_it_cannot_run(dtype, device, message, quantiz
 
 @pytest.mark.slow
 def test_quantized_perplexity_of_smollm2_within_two_percent(native):
-    """The accuracy int8 and int4 cost, bounded: the embedded model on a fixed
+    """The accuracy int8, int4 and w4a8 cost, bounded: the embedded model on a fixed
     public-domain text, computed as the engine computes it (the dtype ``auto`` picks here,
-    native kernels where they run)."""
+    float32 for w4a8; native kernels where they run)."""
     with open(TEXT, encoding="utf-8") as f:
         token_ids = load_tokenizer(None).encode(f.read())
     assert len(token_ids) > 500
     exact = perplexity(load_model(None, torch.float32, CPU)[0], token_ids)
     assert 5 < exact < 20  # the model reads English: a sanity bound on the measure itself
-    for quantization in ("int8", "int4"):
-        model = load_model(None, resolve_dtype("auto", CPU), CPU, quantization, native)[0]
+    for quantization in ("int8", "int4", "w4a8"):
+        if quantization == "w4a8" and native.w4a8_linear is None:
+            continue  # its kernel needs AVX2 and FMA
+        dtype = torch.float32 if quantization == "w4a8" else resolve_dtype("auto", CPU)
+        model = load_model(None, dtype, CPU, quantization, native)[0]
         quantized = perplexity(model, token_ids)
         assert quantized <= exact * 1.02, (
             f"{quantization} perplexity {quantized:.3f} vs {exact:.3f}")

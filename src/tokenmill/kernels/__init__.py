@@ -34,8 +34,8 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_decode_attention.cpp", "paged_prefill_attention.cpp",
                              "fused_layers.cpp", "bf16_linear.cpp", "f32_linear.cpp",
-                             "argmax_rows.cpp", "sample_rows.cpp"))
-HEADERS = (Path(__file__).with_name("dtype_conversion.h"),)
+                             "w4a8_linear.cpp", "argmax_rows.cpp", "sample_rows.cpp"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("dtype_conversion.h", "avx2_lanes.h"))
 # Fast math: vectorized exp and reassociated sums. (The bfloat16 rounding tests NaN on the
 # bits, so a NaN still comes out a NaN.)
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
@@ -68,6 +68,9 @@ class NativeOps:
     int8_f32_pack_weight: Callable | None
     int8_f32_linear: Callable | None
     int4_f32_linear: Callable | None
+    # float32 activations quantized to int8 at every call, None unless the CPU has AVX2 and
+    # FMA: linear layers over 4-bit weights in weight_formats.NativeW4A8Weight's layout
+    w4a8_linear: Callable | None
 
 
 @functools.cache
@@ -106,8 +109,10 @@ def native_ops() -> NativeOps | None:
     f32 = {name: getattr(ops, name) if hasattr(ops, "f32_linear") else None
            for name in ("f32_pack_weight", "f32_linear", "int8_f32_pack_weight",
                         "int8_f32_linear", "int4_f32_linear")}
+    w4a8 = ops.w4a8_linear if hasattr(ops, "w4a8_linear") else None
     return NativeOps(ops.paged_decode_attention, ops.rms_norm, ops.silu_and_mul,
-                     ops.rotary_store_kv, ops.argmax_rows, ops.sample_rows, **bf16, **f32)
+                     ops.rotary_store_kv, ops.argmax_rows, ops.sample_rows, **bf16, **f32,
+                     w4a8_linear=w4a8)
 
 
 def choose_kernels(choice: str, device: torch.device) -> NativeOps | None:

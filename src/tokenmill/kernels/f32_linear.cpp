@@ -40,6 +40,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "avx2_lanes.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -52,6 +54,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 
 namespace {
+
+using tokenmill::load_lanes;
+using tokenmill::store_lanes;
 
 constexpr int64_t kPanel = 16;  // outputs per panel
 constexpr int kMaxRows = 6;  // rows per micro-kernel call: 2 x 6 accumulators of 16
@@ -185,24 +190,6 @@ struct Operands {
   float* out;
   int64_t out_stride;
 };
-
-// The lanes [0, width) of a register's worth at src (width <= 8); the rest read as 0.
-inline __m256 load_lanes(const float* src, int64_t width) {
-  if (width == 8) return _mm256_loadu_ps(src);
-  alignas(32) float lanes[8] = {};
-  std::copy(src, src + width, lanes);
-  return _mm256_load_ps(lanes);
-}
-
-inline void store_lanes(float* dst, __m256 v, int64_t width) {
-  if (width == 8) {
-    _mm256_storeu_ps(dst, v);
-    return;
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, v);
-  std::copy(lanes, lanes + width, dst);
-}
 
 // int4's direct pass over a panel for a few rows, group by group: each group's sums of
 // x q build in named registers (p<row><half>), then go into acc scaled by the group's

@@ -17,8 +17,9 @@ BLOCK_SIZE = 16
 
 
 @torch.inference_mode()
-def token_logprobs(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
-    """``[n - 1]`` float32: ``log p(token_i | token_0 .. token_{i-1})`` for ``i >= 1``."""
+def next_token_logprobs(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    """``[n - 1, V]`` float32: the log-probabilities of every next token after each of
+    ``token_ids[:-1]``, given the tokens before it."""
     if len(token_ids) < 2:
         raise ValueError("perplexity needs at least two tokens")
     device = model.model.embed_tokens.weight.device
@@ -33,10 +34,23 @@ def token_logprobs(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor
         block_size=BLOCK_SIZE)
     ids = torch.tensor(token_ids, device=device)
     hidden = model(ids, torch.arange(n, device=device), metadata, kv_caches)
-    logprobs = torch.log_softmax(model.compute_logits(hidden[:-1]), dim=-1)
-    return logprobs.gather(1, ids[1:, None]).squeeze(1).cpu()
+    return torch.log_softmax(model.compute_logits(hidden[:-1]), dim=-1).cpu()
+
+
+def mean_kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """Mean over positions of ``KL(reference || other)`` in nats, for two
+    ``next_token_logprobs`` of the same text: how far ``other``'s predictions are from
+    ``reference``'s (0 when equal). Less noisy than a perplexity difference on a short
+    text, whose sign can go either way."""
+    return (reference.exp() * (reference - other)).sum(-1).mean().item()
 
 
 def perplexity(model: torch.nn.Module, token_ids: list[int]) -> float:
     """``exp(-mean log p)`` over every token after the first."""
-    return math.exp(-token_logprobs(model, token_ids).double().mean().item())
+    return perplexity_of(next_token_logprobs(model, token_ids), token_ids)
+
+
+def perplexity_of(logprobs: torch.Tensor, token_ids: list[int]) -> float:
+    """``perplexity`` from the text's ``next_token_logprobs``."""
+    chosen = logprobs.gather(1, torch.tensor(token_ids[1:])[:, None])
+    return math.exp(-chosen.double().mean().item())

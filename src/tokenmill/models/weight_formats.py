@@ -177,6 +177,33 @@ class Int4Weight:
         return self(x).add_(residual)
 
 
+def quantize_q4_1_panels(weight: torch.Tensor, panel: int, group: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF Q4_1's quantization of ``weight [N, K]`` by panels of ``panel`` outputs (N
+    padded with zero rows): ``(q [panels, panel, K] uint8, scales, mins [panels, K / group,
+    panel] float32)`` with ``w = q * scale + min``, q in 0..15, each group of ``group``
+    inputs of a row mapping its minimum and maximum to 0 and 15."""
+    out_features, in_features = weight.shape
+    panels = -(-out_features // panel)
+    padded = torch.zeros(panels * panel, in_features)
+    padded[:out_features] = weight.float()
+    groups = padded.view(-1, in_features // group, group)
+    low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+    scales = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    q = ((groups - low) / scales).round_().clamp_(0, 15).to(torch.uint8)
+    # [panels * panel, groups] -> [panels, groups, panel]
+    scales, mins = (t.view(panels, panel, -1).transpose(1, 2).contiguous()
+                    for t in (scales, low))
+    return q.view(panels, panel, in_features), scales, mins
+
+
+def _check_int4_shape(in_features: int, group: int, quantization: str) -> None:
+    if in_features % group:
+        raise InvalidParameterError(
+            f"--quantization {quantization} needs projections of a multiple of {group} "
+            f"inputs, this model has {in_features}: use int8", "quantization")
+
+
 class NativeInt4Weight:
     """4-bit weights for the native int4 kernel of the weight's dtype: ``int4_linear``
     (bfloat16 activations, panels of 32 outputs) or ``int4_f32_linear`` (float32, panels
@@ -188,27 +215,15 @@ class NativeInt4Weight:
 
     def __init__(self, ops: NativeOps, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         out_features, in_features = weight.shape
-        if in_features % self.GROUP:
-            raise InvalidParameterError(
-                f"--quantization int4 needs projections of a multiple of {self.GROUP} inputs, "
-                f"this model has {in_features}: use int8", "quantization")
+        _check_int4_shape(in_features, self.GROUP, "int4")
         bf16 = weight.dtype == torch.bfloat16
         panel = 32 if bf16 else 16  # outputs per panel of the kernel's layout
-        panels = -(-out_features // panel)
-        padded = torch.zeros(panels * panel, in_features)
-        padded[:out_features] = weight.float()
-        groups = padded.view(-1, in_features // self.GROUP, self.GROUP)
-        low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
-        scales = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
-        q = ((groups - low) / scales).round_().clamp_(0, 15).to(torch.uint8)
+        q, self.scales, self.mins = quantize_q4_1_panels(weight, panel, self.GROUP)
         # [panels, output, K / 2, pair] -> [panels, K / 2, output, pair]: one byte a pair
-        q = q.view(panels, panel, in_features // 2, 2).transpose(1, 2)
+        q = q.view(q.shape[0], panel, in_features // 2, 2).transpose(1, 2)
         packed = (q[..., 0] | (q[..., 1] << 4)).contiguous()
         # the bfloat16 kernel takes its panel's outputs as [2, 16]
-        self.packed = packed.view(panels, in_features // 2, 2, 16) if bf16 else packed
-        # [panels * panel, groups] -> [panels, groups, panel]
-        self.scales, self.mins = (t.view(panels, panel, -1).transpose(1, 2).contiguous()
-                                  for t in (scales, low))
+        self.packed = packed.view(-1, in_features // 2, 2, 16) if bf16 else packed
         self.linear = ops.int4_linear if bf16 else ops.int4_f32_linear
         self.out_features = out_features
         self.bias = bias
@@ -222,19 +237,42 @@ class NativeInt4Weight:
                            self.bias, residual)
 
 
+class NativeW4A8Weight(NativeInt4Weight):
+    """``--quantization w4a8``: ``NativeInt4Weight``'s 4-bit weights (Q4_1's form) for the
+    native ``w4a8_linear`` kernel, which quantizes the float32 activations to int8 per
+    block of 16 inputs at every call and multiplies integers (AVX2). Panels of 16 outputs
+    in records of 4 inputs: byte ``4 o + j`` of record ``r`` holds input ``4 r + j`` of
+    output ``o`` in its low nibble and of output ``8 + o`` in its high one."""
+
+    def __init__(self, ops: NativeOps, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        out_features, in_features = weight.shape
+        _check_int4_shape(in_features, self.GROUP, "w4a8")
+        q, self.scales, self.mins = quantize_q4_1_panels(weight, 16, self.GROUP)
+        # [panels, half, o, K / 4, j] -> [panels, K / 4, half, o, j]
+        q = q.view(q.shape[0], 2, 8, in_features // 4, 4).permute(0, 3, 1, 2, 4)
+        self.packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, in_features // 4, 32)
+        self.linear = ops.w4a8_linear
+        self.out_features = out_features
+        self.bias = bias
+
+
 PackedWeight = (OneDNNWeight | NativeWeight | Int8Weight | NativeInt8Weight | Int4Weight
-                | NativeInt4Weight)
+                | NativeInt4Weight | NativeW4A8Weight)
 # A format is called as ``fmt(weight, bias)`` and returns the packed projection.
 WeightFormat = Callable[[torch.Tensor, torch.Tensor | None], PackedWeight]
 
 
 def head_format(fmt: WeightFormat) -> WeightFormat:
-    """The format of the output head when the projections take ``fmt``: int4 projections
+    """The format of the output head when the projections take ``fmt``: 4-bit projections
     keep an int8 head (a GGUF file stores it in 8 bits; 4 bits there cost accuracy)."""
     if fmt is Int4Weight:
         return Int8Weight
     if isinstance(fmt, functools.partial) and fmt.func is NativeInt4Weight:
         return functools.partial(NativeInt8Weight, *fmt.args)
+    if isinstance(fmt, functools.partial) and fmt.func is NativeW4A8Weight:
+        native = fmt.args[0]  # float32 activations: native int8 where the CPU has it
+        return (functools.partial(NativeInt8Weight, native) if native.int8_f32_linear
+                else Int8Weight)
     return fmt
 
 
@@ -245,10 +283,12 @@ def choose_weight_format(dtype: torch.dtype, device: torch.device, quantization:
 
     Raises ``InvalidParameterError`` for a quantization this device or dtype cannot run.
     """
-    if quantization in ("int8", "int4"):
+    if quantization in ("int8", "int4", "w4a8"):
         if device.type != "cpu":
             raise InvalidParameterError(f"--quantization {quantization} runs on the CPU only",
                                         "quantization")
+        if quantization == "w4a8":
+            return _w4a8_format(dtype, native)
         if dtype not in (torch.bfloat16, torch.float32):
             raise InvalidParameterError(
                 f"--quantization {quantization} computes in bfloat16 or float32: use --dtype "
@@ -264,6 +304,19 @@ def choose_weight_format(dtype: torch.dtype, device: torch.device, quantization:
     if device.type == "cpu" and onednn_supports(dtype):
         return OneDNNWeight
     return None
+
+
+def _w4a8_format(dtype: torch.dtype, native: NativeOps | None) -> WeightFormat:
+    """w4a8 exists only as the native kernel (float32 activations, its head int8 too)."""
+    if dtype != torch.float32:
+        raise InvalidParameterError("--quantization w4a8 takes float32 activations: use "
+                                    "--dtype float32 (or auto on a CPU without bfloat16 "
+                                    "arithmetic)", "quantization")
+    if native is None or native.w4a8_linear is None:
+        raise InvalidParameterError("--quantization w4a8 needs the native kernels of a CPU with "
+                                    "AVX2 and FMA (and kernels auto or native): use int4",
+                                    "quantization")
+    return functools.partial(NativeW4A8Weight, native)
 
 
 # The native linear kernel (its ``NativeOps`` field) for each quantization and dtype.

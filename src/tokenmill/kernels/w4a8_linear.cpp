@@ -1,0 +1,280 @@
+// Linear layers over 4-bit weights with 8-bit activations, on AVX2:
+//
+//   w4a8_linear(x [M, K] float32, packed, scales, mins, N, bias?, residual?)
+//       -> x~ @ (q * scale + min).T (+ bias) (+ residual)
+//
+// Weights: 4-bit values q in 0..15 with a float32 scale and minimum per group of kGroup
+// (32) inputs of an output row, w = q * scale + min (GGUF Q4_1's form). Activations: each
+// row of x is quantized per block of kActBlock (16) inputs to int8 at every call,
+// x~ = d * round(x / d) with d = max|x| / 127 over the block (round to nearest even), and
+// the minimums' part of the product is taken with the exact float32 sums of x:
+//
+//   y[m, n] = sum over groups g of
+//               scale[n, g] * (sum over blocks b of g: d[m, b] * sum q[n, k] * xq[m, k])
+//             + min[n, g] * sum over k in g of x[m, k]
+//
+// The integer products are exact (VPMADDUBSW: unsigned 4-bit values times signed bytes,
+// summed in 16 bits: at most 8 products of 15 x 127 per lane, no saturation); the rest is
+// float32. This is what a CPU without fast bfloat16 arithmetic does fastest: one
+// VPMADDUBSW multiplies 32 pairs, four times what one float32 FMA does. The cost is the
+// rounding of the activations, which ``benchmarks/accuracy.py`` measures.
+//
+// Packed layout (weight_formats.NativeW4A8Weight packs it): outputs in panels of 16,
+// inputs in records of 4; a record is 32 bytes, byte 4 o + j holding input 4 r + j of
+// output o of the panel in its low nibble and of output 8 + o in its high nibble:
+//
+//   packed[p][r][4 o + j] = q[16 p + o][4 r + j] | q[16 p + 8 + o][4 r + j] << 4
+//
+// scales and mins are [panels, K / kGroup, 16]. One 256-bit load and two masks give a
+// record's two registers: 8 outputs x 4 inputs each, the operand layout of VPMADDUBSW
+// against a row's 4 int8 inputs broadcast to every 32-bit lane.
+//
+// Threads split the panels; each streams its panels in order and requests the next one
+// into cache while it multiplies. Rows go through in chunks of at most kMaxRows (16-bit
+// accumulators for kMaxRows rows x 16 outputs in registers); later chunks find the panel
+// in cache.
+//
+// Built for CPUs with AVX2 and FMA; elsewhere this op does not exist.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "avx2_lanes.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <utility>
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+namespace {
+
+using tokenmill::load_lanes;
+using tokenmill::store_lanes;
+
+constexpr int64_t kPanel = 16;     // outputs per panel
+constexpr int64_t kGroup = 32;     // inputs per weight scale and minimum
+constexpr int64_t kActBlock = 16;  // inputs per activation scale
+constexpr int64_t kRecord = 32;    // bytes per record: 4 inputs x 16 outputs x 4 bits
+constexpr int64_t kRecordsPerBlock = kActBlock / 4;
+constexpr int kMaxRows = 4;
+
+int64_t panels_for(int64_t n) { return (n + kPanel - 1) / kPanel; }
+
+// The activations of one call, quantized: xq [M, K] int8, d [M, K / kActBlock] (the
+// blocks' scales; NaN for a block holding a NaN or an infinity), sums [M, K / kGroup].
+struct QuantizedRows {
+  const int8_t* xq;
+  const float* d;
+  const float* sums;
+  int64_t k;
+};
+
+// Whether v is neither NaN nor an infinity, read off its bits (fast math would fold
+// std::isfinite to true).
+inline bool finite(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return (bits & 0x7f800000u) != 0x7f800000u;
+}
+
+void quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t k, int8_t* xq,
+                   float* d, float* sums) {
+  const int64_t groups = k / kGroup, blocks = k / kActBlock;
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        float group_sum = 0.f;
+        for (int64_t b = g * kGroup / kActBlock; b < (g + 1) * kGroup / kActBlock; ++b) {
+          const float* src = x + r * x_stride + b * kActBlock;
+          float amax = 0.f, sum = 0.f;
+          for (int64_t i = 0; i < kActBlock; ++i) {
+            amax = std::max(amax, std::fabs(src[i]));
+            sum += src[i];
+          }
+          // a NaN or an infinity in the block makes its sum one
+          const bool ok = finite(sum);
+          const float inv = ok && amax > 0.f ? 127.f / amax : 0.f;
+          int8_t* dst = xq + r * k + b * kActBlock;
+          for (int64_t i = 0; i < kActBlock; ++i) {
+            dst[i] = static_cast<int8_t>(std::nearbyint(src[i] * inv));
+          }
+          d[r * blocks + b] = ok ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
+          group_sum += sum;
+        }
+        sums[r * groups + g] = group_sum;
+      }
+    }
+  });
+}
+
+// kAccumulateInOrder: each 16-bit sum takes its products one record at a time, in
+// registers. Without the empty asm statements that pin them there, GCC reassociates the
+// integer sums into trees and keeps every product of a block on the stack (2x slower).
+//
+// Rows [row, row + ROWS) of the call times panel p: acc[r][o] = the panel's output o of
+// row r, before bias and residual. The 16-bit sums of a block build in named registers
+// (a<row><half>); the float32 sums stay in acc, in memory (L1), updated once per block:
+// with more in registers, GCC spills the 16-bit sums instead.
+template <int ROWS>
+inline void panel_kernel(const QuantizedRows& xr, int64_t row, const uint8_t* panel,
+                         const float* scales, const float* mins, const char* ahead,
+                         float (&acc)[kMaxRows][kPanel]) {
+  static_assert(ROWS >= 1 && ROWS <= kMaxRows);
+  const int64_t k = xr.k, groups = k / kGroup, blocks = k / kActBlock;
+  const __m256i nibble = _mm256_set1_epi8(0x0f);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < ROWS; ++r) std::fill(acc[r], acc[r] + kPanel, 0.f);
+  const int8_t* x = xr.xq + row * k;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = panel + b * kRecordsPerBlock * kRecord;
+    if (ahead) {  // a block's records are 2 cache lines
+      _mm_prefetch(ahead + b * kRecordsPerBlock * kRecord, _MM_HINT_T1);
+      _mm_prefetch(ahead + b * kRecordsPerBlock * kRecord + 64, _MM_HINT_T1);
+    }
+    __m256i a00, a01, a10, a11, a20, a21, a30, a31;
+    a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = _mm256_setzero_si256();
+    for (int64_t i = 0; i < kRecordsPerBlock; ++i) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + i * kRecord));
+      const __m256i low = _mm256_and_si256(v, nibble);
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+      const int8_t* xi = x + b * kActBlock + 4 * i;
+#define TOKENMILL_ROW(r)                                                            \
+  if constexpr (ROWS > r) {                                                         \
+    const __m256i xb = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xi + r * k)); \
+    a##r##0 = _mm256_add_epi16(a##r##0, _mm256_maddubs_epi16(low, xb));             \
+    a##r##1 = _mm256_add_epi16(a##r##1, _mm256_maddubs_epi16(high, xb));            \
+    __asm__("" : "+x"(a##r##0), "+x"(a##r##1)); /* see kAccumulateInOrder */        \
+  }
+      TOKENMILL_ROW(0) TOKENMILL_ROW(1) TOKENMILL_ROW(2) TOKENMILL_ROW(3)
+#undef TOKENMILL_ROW
+    }
+    const __m256i sums[kMaxRows][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
+    const int64_t g = b * kActBlock / kGroup;
+    const bool group_ends = (b + 1) * kActBlock % kGroup == 0;
+    for (int h = 0; h < 2; ++h) {
+      const __m256 scale = _mm256_loadu_ps(scales + g * kPanel + 8 * h);
+      const __m256 min = _mm256_loadu_ps(mins + g * kPanel + 8 * h);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r][h], ones));
+        const __m256 step = _mm256_mul_ps(scale, _mm256_set1_ps(xr.d[(row + r) * blocks + b]));
+        __m256 v = _mm256_fmadd_ps(dot, step, _mm256_loadu_ps(acc[r] + 8 * h));
+        if (group_ends) {  // the group's minimums times its sums of x
+          v = _mm256_fmadd_ps(min, _mm256_set1_ps(xr.sums[(row + r) * groups + g]), v);
+        }
+        _mm256_storeu_ps(acc[r] + 8 * h, v);
+      }
+    }
+  }
+}
+
+struct Output {
+  const float* bias;      // per output, or null
+  const float* residual;  // [M, n], or null
+  int64_t res_stride;
+  float* out;  // [M, n]
+  int64_t n;
+};
+
+template <int ROWS>
+void rows_times_panel(const QuantizedRows& xr, int64_t row, const uint8_t* panel,
+                      const float* scales, const float* mins, const char* ahead, int64_t p,
+                      const Output& o) {
+  float acc[kMaxRows][kPanel];
+  panel_kernel<ROWS>(xr, row, panel, scales, mins, ahead, acc);
+  for (int h = 0; h < 2; ++h) {
+    const int64_t col = p * kPanel + 8 * h;
+    if (col >= o.n) break;
+    const int64_t width = std::min<int64_t>(8, o.n - col);
+    const __m256 b = o.bias ? load_lanes(o.bias + col, width) : _mm256_setzero_ps();
+    for (int r = 0; r < ROWS; ++r) {
+      __m256 v = _mm256_add_ps(_mm256_loadu_ps(acc[r] + 8 * h), b);
+      if (o.residual) {
+        v = _mm256_add_ps(v, load_lanes(o.residual + (row + r) * o.res_stride + col, width));
+      }
+      store_lanes(o.out + (row + r) * o.n + col, v, width);
+    }
+  }
+}
+
+using RowsFn = void (*)(const QuantizedRows&, int64_t, const uint8_t*, const float*,
+                        const float*, const char*, int64_t, const Output&);
+template <int... R>
+constexpr auto make_table(std::integer_sequence<int, R...>) {
+  return std::array<RowsFn, sizeof...(R)>{&rows_times_panel<R + 1>...};
+}
+constexpr auto kRowsFns = make_table(std::make_integer_sequence<int, kMaxRows>{});
+
+at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const at::Tensor& mins, int64_t out_features,
+                       const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
+              "x must be [M, K] float32 with contiguous rows");
+  const int64_t m = x.size(0), k = x.size(1), n = out_features, panels = panels_for(n);
+  TORCH_CHECK(k % kGroup == 0, "x must be [M, K] with K a multiple of ", kGroup);
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kByte && packed.size(0) == panels &&
+                  packed.size(1) * 4 == k && packed.size(2) == kRecord,
+              "packed must be weight_formats.NativeW4A8Weight's packing of an "
+              "[out_features, K] weight");
+  for (const at::Tensor* t : {&scales, &mins}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == panels && t->size(1) == k / kGroup &&
+                    t->size(2) == kPanel && t->is_contiguous() && t->scalar_type() == at::kFloat,
+                "scales and mins must be [panels, K / ", kGroup, ", ", kPanel, "] float32");
+  }
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
+                        bias->scalar_type() == at::kFloat),
+              "bias must be [out_features] float32");
+  TORCH_CHECK(!residual || (residual->dim() == 2 && residual->size(0) == m &&
+                            residual->size(1) == n && residual->stride(1) == 1 &&
+                            residual->scalar_type() == at::kFloat),
+              "residual must be [M, out_features] float32 with contiguous rows");
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  at::Tensor xq = at::empty({m, k}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({m, k / kActBlock}, x.options());
+  at::Tensor sums = at::empty({m, k / kGroup}, x.options());
+  quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, xq.data_ptr<int8_t>(),
+                d.data_ptr<float>(), sums.data_ptr<float>());
+  const QuantizedRows xr{xq.data_ptr<int8_t>(), d.data_ptr<float>(), sums.data_ptr<float>(), k};
+  const Output o{bias ? bias->data_ptr<float>() : nullptr,
+                 residual ? residual->data_ptr<float>() : nullptr,
+                 residual ? residual->stride(0) : 0, out.data_ptr<float>(), n};
+  const auto* weights = packed.data_ptr<uint8_t>();
+  const int64_t panel_bytes = k / 4 * kRecord, group_floats = k / kGroup * kPanel;
+  const int64_t chunks = (m + kMaxRows - 1) / kMaxRows;  // of nearly equal sizes
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* panel = weights + p * panel_bytes;
+      const char* next =
+          p + 1 < end ? reinterpret_cast<const char*>(panel + panel_bytes) : nullptr;
+      for (int64_t c = 0, row = 0; c < chunks; ++c) {
+        const int64_t rows = (m - row) / (chunks - c);
+        kRowsFns[rows - 1](xr, row, panel, scales.data_ptr<float>() + p * group_floats,
+                           mins.data_ptr<float>() + p * group_floats, c == 0 ? next : nullptr,
+                           p, o);
+        row += rows;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("w4a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int out_features, "
+        "Tensor? bias, Tensor? residual) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("w4a8_linear", &w4a8_linear); }
+
+#endif  // AVX2 + FMA

@@ -1,0 +1,111 @@
+"""The native w4a8 kernel (``tokenmill.kernels``, CPUs with AVX2 and FMA): 4-bit weights
+times activations quantized to int8 per block of 16 inputs, against float64 arithmetic on
+the values both stand for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.models.weight_formats import NativeW4A8Weight, quantize_q4_1_panels
+
+BLOCK = 16  # inputs per activation scale
+GROUP = NativeW4A8Weight.GROUP
+
+
+@pytest.fixture
+def ops(native):
+    if native.w4a8_linear is None:
+        pytest.skip("the w4a8 kernel needs a CPU with AVX2 and FMA")
+    return native
+
+
+def weight_values(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scales, mins) per output row, float64: w = q * scale + min per group."""
+    n, k = weight.shape
+    q, scales, mins = quantize_q4_1_panels(weight, 16, GROUP)
+    per_row = [t.transpose(1, 2).reshape(-1, t.shape[1])[:n].double() for t in (scales, mins)]
+    return q.reshape(-1, k)[:n].double(), *per_row
+
+
+def expected(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the product the kernel computes, in float64; how far a rounding of x that falls
+    on a tie, or within float32 error of one, may move it)."""
+    m, k = x.shape
+    q, scales, mins = weight_values(weight)
+    blocks = x.reshape(m, -1, BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    scaled = blocks * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    xq = scaled.round().double()
+    d = (amax / 127).double().squeeze(-1)  # [m, blocks]
+    step = scales.repeat_interleave(GROUP // BLOCK, dim=1)  # weight scale per block
+    dots = torch.einsum("mbi,nbi->mnb", xq, q.view(q.shape[0], -1, BLOCK))
+    out = (dots * d[:, None, :] * step[None]).sum(-1)
+    out += x.double().view(m, -1, GROUP).sum(-1) @ mins.T
+    near_tie = ((scaled - scaled.floor() - 0.5).abs() < 1e-3).double()  # [m, blocks, BLOCK]
+    w_abs = (q * scales.repeat_interleave(GROUP, dim=1)).abs().view(q.shape[0], -1, BLOCK)
+    slack = torch.einsum("mbi,nbi->mnb", near_tie * d[..., None], w_abs).sum(-1)
+    return out, slack
+
+
+def assert_matches(actual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                   extra: torch.Tensor | None = None) -> None:
+    exact, slack = expected(x, weight)
+    if extra is not None:
+        exact = exact + extra.double()
+    k = x.shape[1]
+    bound = slack + exact.abs() * 2.0**-23 + k * 2.0**-22 * exact.abs().max()
+    assert actual.dtype == torch.float32
+    assert ((actual.double() - exact).abs() <= bound).all()
+
+
+# rows: 1 and 4 (one register tile), 7 and 130 (several chunks of rows); outputs not a
+# multiple of the 16-wide panel (nor of 8)
+@pytest.mark.parametrize("rows", [1, 4, 7, 130])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (37, 96), (203, 32)])
+def test_w4a8_matches_exact_arithmetic_on_quantized_values(ops, rows, out_features,
+                                                           in_features):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen) / 10
+    bias = torch.randn(out_features, generator=gen)
+    fmt = NativeW4A8Weight(ops, weight, bias)
+    x = torch.randn(rows, 2 * in_features, generator=gen)[:, in_features:]  # strided rows
+    x[0, :BLOCK] = 0  # a block of zeros has no scale
+    residual = torch.randn(rows, out_features, generator=gen)
+    assert_matches(fmt(x), x, weight, bias)
+    assert_matches(fmt.add(x, residual), x, weight, bias + residual)
+
+
+def test_w4a8_stays_close_to_float32(ops):
+    """The rounding of activations to 8 bits costs about 1% of the product, no more."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(576, 576, generator=gen) / 25
+    x = torch.randn(8, 576, generator=gen)
+    q, scales, mins = weight_values(weight)
+    stands_for = (q * scales.repeat_interleave(GROUP, 1) + mins.repeat_interleave(GROUP, 1))
+    exact = x.double() @ stands_for.T
+    error = (NativeW4A8Weight(ops, weight, None)(x).double() - exact).norm() / exact.norm()
+    assert error < 0.01
+
+
+def test_w4a8_turns_nan_and_inf_into_nan(ops):
+    fmt = NativeW4A8Weight(ops, torch.randn(16, 64), None)
+    x = torch.randn(3, 64)
+    x[1, 3], x[2, 40] = float("nan"), float("inf")
+    out = fmt(x)
+    assert torch.isfinite(out[0]).all() and out[1:].isnan().all()
+
+
+def test_w4a8_rejects_bad_input(ops):
+    fmt = NativeW4A8Weight(ops, torch.randn(64, 64), None)
+    x = torch.randn(3, 64)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.w4a8_linear(x.bfloat16(), fmt.packed, fmt.scales, fmt.mins, 64, None, None)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.w4a8_linear(x[:, :48], fmt.packed, fmt.scales, fmt.mins, 64, None, None)
+    with pytest.raises(RuntimeError, match="NativeW4A8Weight"):
+        ops.w4a8_linear(x, fmt.packed.view(torch.int8), fmt.scales, fmt.mins, 64, None, None)
+    with pytest.raises(RuntimeError, match="scales and mins"):
+        ops.w4a8_linear(x, fmt.packed, fmt.scales[:, :1], fmt.mins, 64, None, None)
+    with pytest.raises(RuntimeError, match="residual"):
+        ops.w4a8_linear(x, fmt.packed, fmt.scales, fmt.mins, 64, None, torch.zeros(2, 64))
