@@ -23,7 +23,7 @@ def ops(native):
 def weight_values(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, scales, mins) per output row, float64: w = q * scale + min per group."""
     n, k = weight.shape
-    q, scales, mins = quantize_q4_1_panels(weight, 16, GROUP)
+    q, scales, mins = quantize_q4_1_panels(weight, 16, GROUP, torch.float16)
     per_row = [t.transpose(1, 2).reshape(-1, t.shape[1])[:n].double() for t in (scales, mins)]
     return q.reshape(-1, k)[:n].double(), *per_row
 
@@ -96,16 +96,32 @@ def test_w4a8_turns_nan_and_inf_into_nan(ops):
     assert torch.isfinite(out[0]).all() and out[1:].isnan().all()
 
 
+def test_w4a8_recovers_q4_1_blocks(ops):
+    """Weights dequantized from GGUF Q4_1 blocks (float16 scale d and minimum m per 32
+    inputs, w = d * q + m) come back as the same q, d and m."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (48, 3, GROUP), generator=gen)
+    q[..., 0], q[..., 1] = 0, 15  # a Q4_1 block maps its minimum to 0 and maximum to 15
+    d = (torch.rand(48, 3, 1, generator=gen) * 0.02 + 0.001).half()
+    m = (-7.5 * d.float() + torch.randn(48, 3, 1, generator=gen) * d.float()).half()
+    weight = (d.float() * q + m.float()).view(48, 96)
+    got_q, scales, mins = weight_values(weight)
+    assert torch.equal(got_q, q.view(48, 96).double())
+    assert torch.equal(scales, d.view(48, 3).double()) and torch.equal(mins, m.view(48, 3).double())
+
+
 def test_w4a8_rejects_bad_input(ops):
     fmt = NativeW4A8Weight(ops, torch.randn(64, 64), None)
-    x = torch.randn(3, 64)
+    x, params = torch.randn(3, 64), fmt.group_params
     with pytest.raises(RuntimeError, match="float32"):
-        ops.w4a8_linear(x.bfloat16(), fmt.packed, fmt.scales, fmt.mins, 64, None, None)
+        ops.w4a8_linear(x.bfloat16(), fmt.packed, params, 64, None, None)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        ops.w4a8_linear(x[:, :48], fmt.packed, fmt.scales, fmt.mins, 64, None, None)
+        ops.w4a8_linear(x[:, :48], fmt.packed, params, 64, None, None)
     with pytest.raises(RuntimeError, match="NativeW4A8Weight"):
-        ops.w4a8_linear(x, fmt.packed.view(torch.int8), fmt.scales, fmt.mins, 64, None, None)
-    with pytest.raises(RuntimeError, match="scales and mins"):
-        ops.w4a8_linear(x, fmt.packed, fmt.scales[:, :1], fmt.mins, 64, None, None)
+        ops.w4a8_linear(x, fmt.packed.view(torch.int8), params, 64, None, None)
+    with pytest.raises(RuntimeError, match="group_params"):
+        ops.w4a8_linear(x, fmt.packed, params.float(), 64, None, None)
+    with pytest.raises(RuntimeError, match="group_params"):
+        ops.w4a8_linear(x, fmt.packed, params[:, :1], 64, None, None)
     with pytest.raises(RuntimeError, match="residual"):
-        ops.w4a8_linear(x, fmt.packed, fmt.scales, fmt.mins, 64, None, torch.zeros(2, 64))
+        ops.w4a8_linear(x, fmt.packed, params, 64, None, torch.zeros(2, 64))

@@ -1,10 +1,10 @@
 // Linear layers over 4-bit weights with 8-bit activations, on AVX2:
 //
-//   w4a8_linear(x [M, K] float32, packed, scales, mins, N, bias?, residual?)
+//   w4a8_linear(x [M, K] float32, packed, group_params, N, bias?, residual?)
 //       -> x~ @ (q * scale + min).T (+ bias) (+ residual)
 //
-// Weights: 4-bit values q in 0..15 with a float32 scale and minimum per group of kGroup
-// (32) inputs of an output row, w = q * scale + min (GGUF Q4_1's form). Activations: each
+// Weights: 4-bit values q in 0..15 with a float16 scale and minimum per group of kGroup
+// (32) inputs of an output row, w = q * scale + min (GGUF Q4_1's form, its own dtypes). Activations: each
 // row of x is quantized per block of kActBlock (16) inputs to int8 at every call,
 // x~ = d * round(x / d) with d = max|x| / 127 over the block (round to nearest even), and
 // the minimums' part of the product is taken with the exact float32 sums of x:
@@ -25,7 +25,9 @@
 //
 //   packed[p][r][4 o + j] = q[16 p + o][4 r + j] | q[16 p + 8 + o][4 r + j] << 4
 //
-// scales and mins are [panels, K / kGroup, 16]. One 256-bit load and two masks give a
+// group_params is [panels, K / kGroup, 2, 16] float16: per group, the scales of the
+// panel's 16 outputs, then their minimums (one cache line). One 256-bit load and two masks
+// give a
 // record's two registers: 8 outputs x 4 inputs each, the operand layout of VPMADDUBSW
 // against a row's 4 int8 inputs broadcast to every 32-bit lane.
 //
@@ -34,7 +36,7 @@
 // accumulators for kMaxRows rows x 16 outputs in registers); later chunks find the panel
 // in cache.
 //
-// Built for CPUs with AVX2 and FMA; elsewhere this op does not exist.
+// Built for CPUs with AVX2, FMA and F16C; elsewhere this op does not exist.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -52,7 +54,7 @@
 #include <optional>
 #include <utility>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
 namespace {
 
@@ -67,6 +69,11 @@ constexpr int64_t kRecordsPerBlock = kActBlock / 4;
 constexpr int kMaxRows = 4;
 
 int64_t panels_for(int64_t n) { return (n + kPanel - 1) / kPanel; }
+
+// 8 float16 values at src, widened (exactly) to float32.
+inline __m256 half_lanes(const uint16_t* src) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+}
 
 // The activations of one call, quantized: xq [M, K] int8, d [M, K / kActBlock] (the
 // blocks' scales; NaN for a block holding a NaN or an infinity), sums [M, K / kGroup].
@@ -125,7 +132,7 @@ void quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t k, int8_
 // with more in registers, GCC spills the 16-bit sums instead.
 template <int ROWS>
 inline void panel_kernel(const QuantizedRows& xr, int64_t row, const uint8_t* panel,
-                         const float* scales, const float* mins, const char* ahead,
+                         const uint16_t* params, const char* ahead,
                          float (&acc)[kMaxRows][kPanel]) {
   static_assert(ROWS >= 1 && ROWS <= kMaxRows);
   const int64_t k = xr.k, groups = k / kGroup, blocks = k / kActBlock;
@@ -160,8 +167,9 @@ inline void panel_kernel(const QuantizedRows& xr, int64_t row, const uint8_t* pa
     const int64_t g = b * kActBlock / kGroup;
     const bool group_ends = (b + 1) * kActBlock % kGroup == 0;
     for (int h = 0; h < 2; ++h) {
-      const __m256 scale = _mm256_loadu_ps(scales + g * kPanel + 8 * h);
-      const __m256 min = _mm256_loadu_ps(mins + g * kPanel + 8 * h);
+      const uint16_t* group_params = params + g * 2 * kPanel + 8 * h;
+      const __m256 scale = half_lanes(group_params);
+      const __m256 min = half_lanes(group_params + kPanel);
       for (int r = 0; r < ROWS; ++r) {
         const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r][h], ones));
         const __m256 step = _mm256_mul_ps(scale, _mm256_set1_ps(xr.d[(row + r) * blocks + b]));
@@ -185,10 +193,9 @@ struct Output {
 
 template <int ROWS>
 void rows_times_panel(const QuantizedRows& xr, int64_t row, const uint8_t* panel,
-                      const float* scales, const float* mins, const char* ahead, int64_t p,
-                      const Output& o) {
+                      const uint16_t* params, const char* ahead, int64_t p, const Output& o) {
   float acc[kMaxRows][kPanel];
-  panel_kernel<ROWS>(xr, row, panel, scales, mins, ahead, acc);
+  panel_kernel<ROWS>(xr, row, panel, params, ahead, acc);
   for (int h = 0; h < 2; ++h) {
     const int64_t col = p * kPanel + 8 * h;
     if (col >= o.n) break;
@@ -204,16 +211,16 @@ void rows_times_panel(const QuantizedRows& xr, int64_t row, const uint8_t* panel
   }
 }
 
-using RowsFn = void (*)(const QuantizedRows&, int64_t, const uint8_t*, const float*,
-                        const float*, const char*, int64_t, const Output&);
+using RowsFn = void (*)(const QuantizedRows&, int64_t, const uint8_t*, const uint16_t*,
+                        const char*, int64_t, const Output&);
 template <int... R>
 constexpr auto make_table(std::integer_sequence<int, R...>) {
   return std::array<RowsFn, sizeof...(R)>{&rows_times_panel<R + 1>...};
 }
 constexpr auto kRowsFns = make_table(std::make_integer_sequence<int, kMaxRows>{});
 
-at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                       const at::Tensor& mins, int64_t out_features,
+at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed,
+                       const at::Tensor& group_params, int64_t out_features,
                        const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
@@ -225,11 +232,11 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                   packed.size(1) * 4 == k && packed.size(2) == kRecord,
               "packed must be weight_formats.NativeW4A8Weight's packing of an "
               "[out_features, K] weight");
-  for (const at::Tensor* t : {&scales, &mins}) {
-    TORCH_CHECK(t->dim() == 3 && t->size(0) == panels && t->size(1) == k / kGroup &&
-                    t->size(2) == kPanel && t->is_contiguous() && t->scalar_type() == at::kFloat,
-                "scales and mins must be [panels, K / ", kGroup, ", ", kPanel, "] float32");
-  }
+  TORCH_CHECK(group_params.dim() == 4 && group_params.size(0) == panels &&
+                  group_params.size(1) == k / kGroup && group_params.size(2) == 2 &&
+                  group_params.size(3) == kPanel && group_params.is_contiguous() &&
+                  group_params.scalar_type() == at::kHalf,
+              "group_params must be [panels, K / ", kGroup, ", 2, ", kPanel, "] float16");
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
                         bias->scalar_type() == at::kFloat),
               "bias must be [out_features] float32");
@@ -249,7 +256,8 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                  residual ? residual->data_ptr<float>() : nullptr,
                  residual ? residual->stride(0) : 0, out.data_ptr<float>(), n};
   const auto* weights = packed.data_ptr<uint8_t>();
-  const int64_t panel_bytes = k / 4 * kRecord, group_floats = k / kGroup * kPanel;
+  const auto* params = reinterpret_cast<const uint16_t*>(group_params.data_ptr());
+  const int64_t panel_bytes = k / 4 * kRecord, panel_params = k / kGroup * 2 * kPanel;
   const int64_t chunks = (m + kMaxRows - 1) / kMaxRows;  // of nearly equal sizes
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
@@ -258,8 +266,7 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
           p + 1 < end ? reinterpret_cast<const char*>(panel + panel_bytes) : nullptr;
       for (int64_t c = 0, row = 0; c < chunks; ++c) {
         const int64_t rows = (m - row) / (chunks - c);
-        kRowsFns[rows - 1](xr, row, panel, scales.data_ptr<float>() + p * group_floats,
-                           mins.data_ptr<float>() + p * group_floats, c == 0 ? next : nullptr,
+        kRowsFns[rows - 1](xr, row, panel, params + p * panel_params, c == 0 ? next : nullptr,
                            p, o);
         row += rows;
       }
@@ -271,10 +278,10 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("w4a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int out_features, "
+  m.def("w4a8_linear(Tensor x, Tensor packed, Tensor group_params, int out_features, "
         "Tensor? bias, Tensor? residual) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("w4a8_linear", &w4a8_linear); }
 
-#endif  // AVX2 + FMA
+#endif  // AVX2 + FMA + F16C

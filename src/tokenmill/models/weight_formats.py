@@ -177,23 +177,27 @@ class Int4Weight:
         return self(x).add_(residual)
 
 
-def quantize_q4_1_panels(weight: torch.Tensor, panel: int, group: int
+def quantize_q4_1_panels(weight: torch.Tensor, panel: int, group: int,
+                         dtype: torch.dtype = torch.float32
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GGUF Q4_1's quantization of ``weight [N, K]`` by panels of ``panel`` outputs (N
     padded with zero rows): ``(q [panels, panel, K] uint8, scales, mins [panels, K / group,
-    panel] float32)`` with ``w = q * scale + min``, q in 0..15, each group of ``group``
-    inputs of a row mapping its minimum and maximum to 0 and 15."""
+    panel] in dtype)`` with ``w = q * scale + min``, q in 0..15, each group of ``group``
+    inputs of a row mapping its minimum and maximum to 0 and 15. In float16 (a Q4_1 file's
+    own dtype: its values come back exactly) each q is picked against the rounded scale
+    and minimum."""
     out_features, in_features = weight.shape
     panels = -(-out_features // panel)
     padded = torch.zeros(panels * panel, in_features)
     padded[:out_features] = weight.float()
     groups = padded.view(-1, in_features // group, group)
     low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
-    scales = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
-    q = ((groups - low) / scales).round_().clamp_(0, 15).to(torch.uint8)
+    scales = ((high - low) / 15).clamp_min(torch.finfo(dtype).tiny).to(dtype)
+    mins = low.to(dtype)
+    q = ((groups - mins.float()) / scales.float()).round_().clamp_(0, 15).to(torch.uint8)
     # [panels * panel, groups] -> [panels, groups, panel]
     scales, mins = (t.view(panels, panel, -1).transpose(1, 2).contiguous()
-                    for t in (scales, low))
+                    for t in (scales, mins))
     return q.view(panels, panel, in_features), scales, mins
 
 
@@ -237,23 +241,36 @@ class NativeInt4Weight:
                            self.bias, residual)
 
 
-class NativeW4A8Weight(NativeInt4Weight):
-    """``--quantization w4a8``: ``NativeInt4Weight``'s 4-bit weights (Q4_1's form) for the
-    native ``w4a8_linear`` kernel, which quantizes the float32 activations to int8 per
-    block of 16 inputs at every call and multiplies integers (AVX2). Panels of 16 outputs
-    in records of 4 inputs: byte ``4 o + j`` of record ``r`` holds input ``4 r + j`` of
-    output ``o`` in its low nibble and of output ``8 + o`` in its high one."""
+class NativeW4A8Weight:
+    """``--quantization w4a8``: 4-bit weights in Q4_1's form with float16 scales and
+    minimums (a Q4_1 file's own values, exactly) for the native ``w4a8_linear`` kernel,
+    which quantizes the float32 activations to int8 per block of 16 inputs at every call
+    and multiplies integers (AVX2). Panels of 16 outputs in records of 4 inputs: byte
+    ``4 o + j`` of record ``r`` holds input ``4 r + j`` of output ``o`` in its low nibble
+    and of output ``8 + o`` in its high one; ``group_params [panels, K / GROUP, 2, 16]``
+    the scales, then the minimums, of each group's 16 outputs. Needs ``in % GROUP == 0``."""
+
+    GROUP = 32
 
     def __init__(self, ops: NativeOps, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         out_features, in_features = weight.shape
         _check_int4_shape(in_features, self.GROUP, "w4a8")
-        q, self.scales, self.mins = quantize_q4_1_panels(weight, 16, self.GROUP)
+        q, scales, mins = quantize_q4_1_panels(weight, 16, self.GROUP, torch.float16)
         # [panels, half, o, K / 4, j] -> [panels, K / 4, half, o, j]
         q = q.view(q.shape[0], 2, 8, in_features // 4, 4).permute(0, 3, 1, 2, 4)
         self.packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, in_features // 4, 32)
+        self.group_params = torch.stack((scales, mins), dim=2).contiguous()
         self.linear = ops.w4a8_linear
         self.out_features = out_features
         self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.packed, self.group_params, self.out_features, self.bias,
+                           None)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.packed, self.group_params, self.out_features, self.bias,
+                           residual)
 
 
 PackedWeight = (OneDNNWeight | NativeWeight | Int8Weight | NativeInt8Weight | Int4Weight
