@@ -22,6 +22,7 @@ import time
 import torch
 
 MATMUL_SIZE = 2048
+MATMUL_SECONDS = 0.5
 READ_BYTES = 1 << 30
 
 
@@ -36,9 +37,20 @@ def _best_seconds(fn, repeats: int = 5) -> float:
 
 
 def matmul_gflops(dtype: torch.dtype) -> float:
-    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE).to(dtype)
-    b = torch.randn(MATMUL_SIZE, MATMUL_SIZE).to(dtype)
-    return 2 * MATMUL_SIZE**3 / _best_seconds(lambda: torch.mm(a, b)) / 1e9
+    """GFLOP/s of a square matmul, as large as ``MATMUL_SIZE`` where one takes at most
+    ``MATMUL_SECONDS`` (a dtype the CPU only emulates, bfloat16 on AVX2, is measured on a
+    smaller one: at 2048 a single product would take a minute)."""
+    size = MATMUL_SIZE
+    probe = _gflops(256, dtype)
+    while size > 256 and 2 * size**3 / (probe * 1e9) > MATMUL_SECONDS:
+        size //= 2
+    return _gflops(size, dtype)
+
+
+def _gflops(size: int, dtype: torch.dtype) -> float:
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    return 2 * size**3 / _best_seconds(lambda: torch.mm(a, b)) / 1e9
 
 
 def read_gbps() -> float:

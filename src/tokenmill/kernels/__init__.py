@@ -4,8 +4,9 @@
 ``ninja`` and returns their ``torch.ops.tokenmill`` ops as a ``NativeOps``, or ``None``
 where they cannot be built: the model then keeps its pure PyTorch path. The bfloat16 ops
 (linear layers, prefill attention) exist only on a CPU with AVX512-BF16, the float32
-linear layers only on one with AVX2 and FMA but no AVX-512; elsewhere their fields are
-None. ``choose_kernels`` applies the engine's ``kernels`` option.
+linear layers only on one with AVX2 and FMA but no AVX-512, the w4a8 linear layer on any
+with AVX2, FMA and F16C; elsewhere their fields are None. ``choose_kernels`` applies the
+engine's ``kernels`` option.
 
 The build is tuned for the CPU it runs on (``-march=native``), so its cache entry is
 named after the sources, the compiler flags, PyTorch's version and the CPU's feature
@@ -68,8 +69,9 @@ class NativeOps:
     int8_f32_pack_weight: Callable | None
     int8_f32_linear: Callable | None
     int4_f32_linear: Callable | None
-    # float32 activations quantized to int8 at every call, None unless the CPU has AVX2 and
-    # FMA: linear layers over 4-bit weights in weight_formats.NativeW4A8Weight's layout
+    # float32 activations quantized to int8 at every call, None unless the CPU has AVX2,
+    # FMA and F16C: linear layers over 4-bit weights in weight_formats.NativeW4A8Weight's
+    # layout
     w4a8_linear: Callable | None
 
 

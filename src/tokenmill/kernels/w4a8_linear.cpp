@@ -4,10 +4,11 @@
 //       -> x~ @ (q * scale + min).T (+ bias) (+ residual)
 //
 // Weights: 4-bit values q in 0..15 with a float16 scale and minimum per group of kGroup
-// (32) inputs of an output row, w = q * scale + min (GGUF Q4_1's form, its own dtypes). Activations: each
-// row of x is quantized per block of kActBlock (16) inputs to int8 at every call,
-// x~ = d * round(x / d) with d = max|x| / 127 over the block (round to nearest even), and
-// the minimums' part of the product is taken with the exact float32 sums of x:
+// (32) inputs of an output row, w = q * scale + min (GGUF Q4_1's form, in its dtypes).
+// Activations: each row of x is quantized per block of kActBlock (16) inputs to int8 at
+// every call, x~ = d * round(x / d) with d = max|x| / 127 over the block (round to
+// nearest even), and the minimums' part of the product is taken with the exact float32
+// sums of x:
 //
 //   y[m, n] = sum over groups g of
 //               scale[n, g] * (sum over blocks b of g: d[m, b] * sum q[n, k] * xq[m, k])
@@ -25,11 +26,10 @@
 //
 //   packed[p][r][4 o + j] = q[16 p + o][4 r + j] | q[16 p + 8 + o][4 r + j] << 4
 //
-// group_params is [panels, K / kGroup, 2, 16] float16: per group, the scales of the
-// panel's 16 outputs, then their minimums (one cache line). One 256-bit load and two masks
-// give a
-// record's two registers: 8 outputs x 4 inputs each, the operand layout of VPMADDUBSW
-// against a row's 4 int8 inputs broadcast to every 32-bit lane.
+// One 256-bit load and two masks give a record's two registers: 8 outputs x 4 inputs
+// each, the operand layout of VPMADDUBSW against a row's 4 int8 inputs broadcast to every
+// 32-bit lane. group_params is [panels, K / kGroup, 2, 16] float16: per group, the
+// scales of the panel's 16 outputs, then their minimums (one cache line).
 //
 // Threads split the panels; each streams its panels in order and requests the next one
 // into cache while it multiplies. Rows go through in chunks of at most kMaxRows (16-bit
@@ -92,28 +92,53 @@ inline bool finite(float v) {
   return (bits & 0x7f800000u) != 0x7f800000u;
 }
 
+// The largest lane of v.
+inline float max_lane(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// The sum of v's lanes.
+inline float sum_lanes(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// One block of kActBlock (16) inputs at src: its int8 values into dst, its scale (NaN
+// when it holds a NaN or an infinity, 0 when all are 0) and its float32 sum.
+inline void quantize_block(const float* src, int8_t* dst, float& scale, float& sum) {
+  static_assert(kActBlock == 16, "two registers a block");
+  const __m256 lo = _mm256_loadu_ps(src), hi = _mm256_loadu_ps(src + 8);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const float amax = max_lane(_mm256_max_ps(_mm256_and_ps(lo, abs_mask),
+                                            _mm256_and_ps(hi, abs_mask)));
+  sum = sum_lanes(_mm256_add_ps(lo, hi));
+  const bool ok = finite(sum);  // a NaN or an infinity in the block makes its sum one
+  const __m256 inv = _mm256_set1_ps(ok && amax > 0.f ? 127.f / amax : 0.f);
+  // round to nearest even (the default rounding mode), |value| <= 127: no saturation
+  const __m256i q_lo = _mm256_cvtps_epi32(_mm256_mul_ps(lo, inv));
+  const __m256i q_hi = _mm256_cvtps_epi32(_mm256_mul_ps(hi, inv));
+  const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(q_lo, q_hi), 0xd8);
+  const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words),
+                                        _mm256_extracti128_si256(words, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), bytes);
+  scale = ok ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
+}
+
 void quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t k, int8_t* xq,
                    float* d, float* sums) {
   const int64_t groups = k / kGroup, blocks = k / kActBlock;
+  constexpr int64_t kBlocksPerGroup = kGroup / kActBlock;
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t g = 0; g < groups; ++g) {
         float group_sum = 0.f;
-        for (int64_t b = g * kGroup / kActBlock; b < (g + 1) * kGroup / kActBlock; ++b) {
-          const float* src = x + r * x_stride + b * kActBlock;
-          float amax = 0.f, sum = 0.f;
-          for (int64_t i = 0; i < kActBlock; ++i) {
-            amax = std::max(amax, std::fabs(src[i]));
-            sum += src[i];
-          }
-          // a NaN or an infinity in the block makes its sum one
-          const bool ok = finite(sum);
-          const float inv = ok && amax > 0.f ? 127.f / amax : 0.f;
-          int8_t* dst = xq + r * k + b * kActBlock;
-          for (int64_t i = 0; i < kActBlock; ++i) {
-            dst[i] = static_cast<int8_t>(std::nearbyint(src[i] * inv));
-          }
-          d[r * blocks + b] = ok ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
+        for (int64_t b = g * kBlocksPerGroup; b < (g + 1) * kBlocksPerGroup; ++b) {
+          float sum;
+          quantize_block(x + r * x_stride + b * kActBlock, xq + r * k + b * kActBlock,
+                         d[r * blocks + b], sum);
           group_sum += sum;
         }
         sums[r * groups + g] = group_sum;
@@ -122,10 +147,6 @@ void quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t k, int8_
   });
 }
 
-// kAccumulateInOrder: each 16-bit sum takes its products one record at a time, in
-// registers. Without the empty asm statements that pin them there, GCC reassociates the
-// integer sums into trees and keeps every product of a block on the stack (2x slower).
-//
 // Rows [row, row + ROWS) of the call times panel p: acc[r][o] = the panel's output o of
 // row r, before bias and residual. The 16-bit sums of a block build in named registers
 // (a<row><half>); the float32 sums stay in acc, in memory (L1), updated once per block:
@@ -155,11 +176,16 @@ inline void panel_kernel(const QuantizedRows& xr, int64_t row, const uint8_t* pa
       const int8_t* xi = x + b * kActBlock + 4 * i;
 #define TOKENMILL_ROW(r)                                                            \
   if constexpr (ROWS > r) {                                                         \
-    const __m256i xb = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xi + r * k)); \
+    int32_t four;                                                                   \
+    std::memcpy(&four, xi + r * k, sizeof(four));                                   \
+    const __m256i xb = _mm256_set1_epi32(four);                                     \
     a##r##0 = _mm256_add_epi16(a##r##0, _mm256_maddubs_epi16(low, xb));             \
     a##r##1 = _mm256_add_epi16(a##r##1, _mm256_maddubs_epi16(high, xb));            \
-    __asm__("" : "+x"(a##r##0), "+x"(a##r##1)); /* see kAccumulateInOrder */        \
+    __asm__("" : "+x"(a##r##0), "+x"(a##r##1));                                     \
   }
+      // The empty asm statements keep each 16-bit sum in its register, taking its
+      // products one record at a time: without them GCC reassociates the integer sums
+      // into trees and keeps every product of a block on the stack (2x slower).
       TOKENMILL_ROW(0) TOKENMILL_ROW(1) TOKENMILL_ROW(2) TOKENMILL_ROW(3)
 #undef TOKENMILL_ROW
     }
