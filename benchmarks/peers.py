@@ -8,6 +8,10 @@ already running, or started by the script with ``--peer-start NAME=COMMAND`` and
 after its run: vLLM, llama.cpp's ``llama-server``, ...), one server at a time, each level
 with fresh prompts so nothing comes from a prefix cache.
 
+With ``--rounds N`` every server runs N times, every other round in reverse order, and
+each level reports its best round: a shared machine's speed drifts by tens of percent
+over minutes, and noise only ever slows a server down.
+
 Prints one table: per server and concurrency, output tok/s, TTFT and ITL p50/p99, the
 ratio of the first tokenmill configuration to each peer, and the fraction of the host's
 roofline reached (``roofline.py``: the measured matmul peak and read bandwidth, for
@@ -17,7 +21,8 @@ Writes everything to JSON. Usage::
     python benchmarks/peers.py --peer vllm=http://127.0.0.1:8001 \\
         [--peer-start vllm='bash PEERS/serve-vllm.sh --dtype float32'] \\
         [--config tokenmill=] [--config int8='--quantization int8'] \\
-        [--concurrency 1 4 16 64] [--requests-per-stream 2] [--peer-tokenizer DIR] \\
+        [--concurrency 1 4 16 64] [--requests-per-stream 2] [--rounds 1] \\
+        [--peer-tokenizer DIR] \\
         [--roofline-dtype float32] [--out FILE]
 
 A configuration is ``NAME=SERVER OPTIONS`` (empty options: the defaults). Peers are
@@ -146,19 +151,21 @@ def measure(args: argparse.Namespace) -> dict:
     bounds = {c: serving_bound(host, matmul_params, weight_bytes, args.roofline_dtype,
                                args.input_len, args.output_len, c) for c in args.concurrency}
     levels = Levels(args)
-    servers = []
-    for name, options in args.config or [("tokenmill", "")]:
-        print(f"{name}: tokenmill serve {options}", flush=True)
-        with running_server(args.model, shlex.split(options)) as base_url:
-            servers.append({"name": name, "kind": "tokenmill", "options": options,
-                            "rows": levels.run(base_url, None)})
     commands = dict(args.peer_start)
-    for name, url in args.peer:
-        print(f"{name}: {url}", flush=True)
-        with peer_running(url, commands.get(name)):
-            servers.append({"name": name, "kind": "peer", "url": url,
-                            "command": commands.get(name),
-                            "rows": levels.run(url, args.peer_tokenizer)})
+    servers = [{"name": name, "kind": "tokenmill", "options": options}
+               for name, options in args.config or [("tokenmill", "")]]
+    servers += [{"name": name, "kind": "peer", "url": url, "command": commands.get(name)}
+                for name, url in args.peer]
+    rounds: dict[str, list[list[dict]]] = {server["name"]: [] for server in servers}
+    for index in range(args.rounds):
+        print(f"round {index + 1} of {args.rounds}", flush=True)
+        # every other round in reverse order: a drift of the machine's speed during a
+        # round then falls on the servers alike
+        for server in servers if index % 2 == 0 else servers[::-1]:
+            rounds[server["name"]].append(run_server(server, args, levels))
+    for server in servers:
+        server["rounds"] = rounds[server["name"]]
+        server["rows"] = best_rows(server["rounds"])
     reference = {r["concurrency"]: r for r in servers[0]["rows"]}
     for server in servers:
         for r in server["rows"]:
@@ -171,12 +178,34 @@ def measure(args: argparse.Namespace) -> dict:
             "servers": servers}
 
 
+def run_server(server: dict, args: argparse.Namespace, levels: Levels) -> list[dict]:
+    """Every level against ``server``, started for it (and stopped after) if it is
+    tokenmill or a peer with a start command."""
+    if server["kind"] == "tokenmill":
+        print(f"{server['name']}: tokenmill serve {server['options']}", flush=True)
+        with running_server(args.model, shlex.split(server["options"])) as base_url:
+            return levels.run(base_url, None)
+    print(f"{server['name']}: {server['url']}", flush=True)
+    with peer_running(server["url"], server["command"]):
+        return levels.run(server["url"], args.peer_tokenizer)
+
+
+def best_rows(rounds: list[list[dict]]) -> list[dict]:
+    """Per level, the round with the most output tokens/s (a shared machine's noise only
+    ever slows a server down), marked with its round."""
+    best = []
+    for level in zip(*rounds, strict=True):
+        index = max(range(len(level)), key=lambda i: level[i]["output_tok_s"])
+        best.append({**level[index], "round": index + 1})
+    return best
+
+
 def print_table(report: dict) -> None:
     args, host = report["args"], report["host"]
     console = Console(width=140)
     table = Table(title=f"{args['input_len']} in / {args['output_len']} out, streaming, "
-                        f"{args['requests_per_stream']} requests per stream; ratio = "
-                        f"{report['reference']} / server")
+                        f"{args['requests_per_stream']} requests per stream, best of "
+                        f"{args['rounds']} round(s); ratio = {report['reference']} / server")
     for column in ("server", "streams", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
                    "ITL p50 ms", "ITL p99 ms", "ok", "ratio", "roofline"):
         table.add_column(column, justify="right")
@@ -216,6 +245,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--requests-per-stream", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every server this many times, every other round in reverse "
+                             "order, and report each level's best round")
     parser.add_argument("--roofline-dtype", choices=sorted(BYTES_PER_WEIGHT), default="float32")
     parser.add_argument("--seed", type=int, default=0, help="first prompt seed")
     parser.add_argument("--out", default="benchmarks/results/peers.json")

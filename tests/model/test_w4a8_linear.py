@@ -1,4 +1,4 @@
-"""The native w4a8 kernel (``tokenmill.kernels``, CPUs with AVX2 and FMA): 4-bit weights
+"""The native w4a8 kernel (``tokenmill.kernels``, CPUs with AVX2, FMA and F16C): 4-bit weights
 times activations quantized to int8 per block of 16 inputs, against float64 arithmetic on
 the values both stand for."""
 
@@ -16,7 +16,7 @@ GROUP = NativeW4A8Weight.GROUP
 @pytest.fixture
 def ops(native):
     if native.w4a8_linear is None:
-        pytest.skip("the w4a8 kernel needs a CPU with AVX2 and FMA")
+        pytest.skip("the w4a8 kernel needs a CPU with AVX2, FMA and F16C")
     return native
 
 

@@ -230,7 +230,7 @@ def test_int4_recovers_the_4_bit_values_of_q4_1_blocks(kernels, dtype, op, reque
 @pytest.mark.parametrize("variant", ["llama", "llama_untied", "qwen2"])
 def test_w4a8_matches_float32_within_quantization_error(tiny_model_dir, variant, native):
     if native.w4a8_linear is None:
-        pytest.skip("the w4a8 kernel needs a CPU with AVX2 and FMA")
+        pytest.skip("the w4a8 kernel needs a CPU with AVX2, FMA and F16C")
     model_dir = tiny_model_dir(variant)
     quantized, _ = load_model(model_dir, torch.float32, CPU, "w4a8", native)
     head = NativeInt8Weight if native.int8_f32_linear else Int8Weight  # 8 bits, float32 x
@@ -243,7 +243,7 @@ def test_w4a8_matches_float32_within_quantization_error(tiny_model_dir, variant,
 
 def test_w4a8_runs_only_as_its_native_kernel(native):
     without = dataclasses.replace(native, w4a8_linear=None)
-    with pytest.raises(InvalidParameterError, match="AVX2 and FMA") as info:
+    with pytest.raises(InvalidParameterError, match="AVX2, FMA and F16C") as info:
         choose_weight_format(torch.float32, CPU, "w4a8", without)
     assert info.value.param == "quantization"
     for dtype in (BF16, torch.float16):

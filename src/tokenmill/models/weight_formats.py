@@ -336,12 +336,11 @@ def _w4a8_format(dtype: torch.dtype, native: NativeOps | None) -> WeightFormat:
     """w4a8 exists only as the native kernel (float32 activations, its head int8 too)."""
     if dtype != torch.float32:
         raise InvalidParameterError("--quantization w4a8 takes float32 activations: use "
-                                    "--dtype float32 (or auto on a CPU without bfloat16 "
-                                    "arithmetic)", "quantization")
+                                    "--dtype auto or float32", "quantization")
     if native is None or native.w4a8_linear is None:
         raise InvalidParameterError("--quantization w4a8 needs the native kernels of a CPU with "
-                                    "AVX2 and FMA (and kernels auto or native): use int4",
-                                    "quantization")
+                                    "AVX2, FMA and F16C (and kernels auto or native): use "
+                                    "int4", "quantization")
     return functools.partial(NativeW4A8Weight, native)
 
 
