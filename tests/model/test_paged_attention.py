@@ -136,25 +136,36 @@ def test_native_decode_kernel_rejects_bad_input(native):
         op(q.double(), cache[0], cache[1], tables, lens, 1.0)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 40])  # unrolled sizes and the generic loop
-def test_native_decode_kernel_for_each_head_size(head_dim, native):
+# unrolled sizes (64 and 128 register-blocked on AVX2) and the generic loop; query heads per
+# KV head: 3 (one value pass), 1, 8 (passes of 3, 3 and 2 heads); 4 sequences split by KV
+# head over the threads, 40 sequences a task each
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+@pytest.mark.parametrize(("heads", "kv_heads", "num_seqs"),
+                         [(HEADS, KV_HEADS, 4), (2, 2, 4), (16, 2, 4), (HEADS, KV_HEADS, 40)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_kernel_for_each_head_size(head_dim, heads, kv_heads, num_seqs, dtype,
+                                                 native):
     gen = torch.Generator().manual_seed(head_dim)
-    num_blocks, lens = 48, [1, 17, 40, 5]
-    cache = torch.randn(2, num_blocks, BLOCK_SIZE, KV_HEADS, head_dim, generator=gen)
-    tables = torch.randperm(num_blocks, generator=gen)[:4 * 10].view(4, 10)
-    q = torch.randn(4, HEADS, head_dim, generator=gen)
+    max_blocks = 13  # 52 tokens, above the longest (49)
+    lens = [[1, 17, 40, 5][b % 4] + b // 4 for b in range(num_seqs)]
+    num_blocks = num_seqs * max_blocks + 8
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, head_dim, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[:num_seqs * max_blocks]
+    tables = tables.view(num_seqs, max_blocks)
+    q = torch.randn(num_seqs, heads, head_dim, generator=gen).to(dtype)
     out = native.paged_decode_attention(q, cache[0], cache[1], tables.to(torch.int32),
                                         torch.tensor(lens, dtype=torch.int32), head_dim**-0.5)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
     for b, seq_len in enumerate(lens):
         rows = torch.tensor([int(tables[b, t // BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE
                              for t in range(seq_len)])
-        k, v = (cache[i].reshape(-1, KV_HEADS, head_dim)[rows] for i in (0, 1))
-        group = HEADS // KV_HEADS
+        k, v = (cache[i].reshape(-1, kv_heads, head_dim)[rows] for i in (0, 1))
+        group = heads // kv_heads
         scores = torch.einsum("hd,thd->ht", q[b].double(),
                               k.double().repeat_interleave(group, dim=1)) * head_dim**-0.5
         expected = torch.einsum("ht,thd->hd", scores.softmax(-1),
                                 v.double().repeat_interleave(group, dim=1))
-        torch.testing.assert_close(out[b].double(), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[b].double(), expected, atol=tolerance, rtol=tolerance)
 
 
 # prompts of one tile and of several (16 queries a tile), chunks after context (ctx not a

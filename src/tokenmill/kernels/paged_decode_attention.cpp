@@ -8,14 +8,23 @@
 // head by head: the first query head of a KV group reads the group's rows from memory,
 // the others find them in cache. Arithmetic is float32 whatever the storage dtype;
 // softmax is exact (max subtracted), never over padding.
+//
+// On AVX2 hosts float32 and bfloat16 heads of 64 or 128 take a register-blocked path
+// (decode_attention_avx2): a KV head at a time, scores for 8 keys at once folded without a
+// horizontal sum per key, and each value row read once for up to 3 query heads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "dtype_conversion.h"
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -126,6 +135,196 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& key_cache,
   });
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+inline void store8(at::BFloat16* p, __m256 v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  for (int i = 0; i < 8; ++i) p[i] = from_float<at::BFloat16>(lanes[i]);
+}
+
+// Lane j = the sum of the 8 lanes of v[j].
+inline __m256 fold8(const __m256 (&v)[8]) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                       _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+constexpr int64_t kKeys = 8;          // keys scored at once (one register of scores)
+constexpr int64_t kValueChunks = 4;   // registers of a value row added per pass
+constexpr int64_t kHeadsAtOnce = 3;   // query heads sharing each value row read
+// Tokens ahead whose whole K or V rows (every KV head of the task) are requested while
+// the task's first KV head is computed; the others find them in L2.
+constexpr int64_t kRowsAhead = 16;
+
+// For NH query heads g: out[g * out_stride + d] = sum_t scores[g * score_stride + t] *
+// V[t, d] * inv_totals[g], over the 32 dimensions d of one pass, V row t at
+// values + offsets[t]; with prefetch, rows of width elements are requested ahead.
+template <typename T, int NH>
+inline void add_values(const T* values, const int64_t* offsets, int64_t len,
+                       const float* scores, int64_t score_stride, const float* inv_totals,
+                       T* out, int64_t out_stride, bool prefetch, int64_t width) {
+  __m256 acc[NH][kValueChunks];
+  for (int g = 0; g < NH; ++g) {
+    for (int c = 0; c < kValueChunks; ++c) acc[g][c] = _mm256_setzero_ps();
+  }
+  if (prefetch) {
+    for (int64_t t = 0; t < std::min(kRowsAhead, len); ++t) {
+      prefetch_row(values + offsets[t], width);
+    }
+  }
+  for (int64_t t = 0; t < len; ++t) {
+    if (prefetch && t + kRowsAhead < len) prefetch_row(values + offsets[t + kRowsAhead], width);
+    const T* row = values + offsets[t];
+    __m256 w[NH];
+    for (int g = 0; g < NH; ++g) w[g] = _mm256_broadcast_ss(scores + g * score_stride + t);
+    for (int c = 0; c < kValueChunks; ++c) {
+      const __m256 v = load8(row + 8 * c);
+      for (int g = 0; g < NH; ++g) acc[g][c] = _mm256_fmadd_ps(w[g], v, acc[g][c]);
+    }
+  }
+  for (int g = 0; g < NH; ++g) {
+    const __m256 inv = _mm256_set1_ps(inv_totals[g]);
+    for (int c = 0; c < kValueChunks; ++c) {
+      store8(out + g * out_stride + 8 * c, _mm256_mul_ps(acc[g][c], inv));
+    }
+  }
+}
+
+template <typename T, int64_t HEAD_DIM>
+void decode_attention_avx2(const at::Tensor& q, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+  static_assert(HEAD_DIM % (8 * kValueChunks) == 0, "head size a multiple of 32");
+  constexpr int64_t kChunks = HEAD_DIM / 8;
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t block_stride = key_cache.stride(0), token_stride = key_cache.stride(1);
+  const int64_t table_stride = block_tables.stride(0);
+  const int64_t q_seq_stride = q.stride(0), q_head_stride = q.stride(1);
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = key_cache.data_ptr<T>();
+  const T* v_ptr = value_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  T* out_ptr = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+  // Tasks as in decode_attention_kernel.
+  const int64_t heads_per_task =
+      num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t tasks_per_seq = num_kv_heads / heads_per_task;
+
+  at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, queries(group * HEAD_DIM), inv_totals(group);
+    std::vector<int64_t> offsets;  // each token's row of this task's first KV head
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / tasks_per_seq;
+      const int64_t kv_begin = (task % tasks_per_seq) * heads_per_task;
+      const int64_t len = lens[b];
+      const int64_t padded = (len + kKeys - 1) / kKeys * kKeys;
+      const int64_t width = heads_per_task * HEAD_DIM;  // elements of a token's K or V row
+      const int32_t* table = tables + b * table_stride;
+      scores.resize(group * padded);
+      offsets.resize(padded);
+      for (int64_t t = 0, block = 0; t < len; ++block) {
+        const int64_t base = table[block] * block_stride + kv_begin * HEAD_DIM;
+        for (int64_t i = 0; i < block_size && t < len; ++i, ++t) {
+          offsets[t] = base + i * token_stride;
+        }
+      }
+      // The last tile's missing keys repeat the last one; their scores are never read.
+      std::fill(offsets.begin() + len, offsets.end(), offsets[len - 1]);
+      for (int64_t kv = kv_begin; kv < kv_begin + heads_per_task; ++kv) {
+        const int64_t head_offset = (kv - kv_begin) * HEAD_DIM;
+        const int64_t h0 = kv * group;
+        for (int64_t g = 0; g < group; ++g) {
+          const T* q_head = q_ptr + b * q_seq_stride + (h0 + g) * q_head_stride;
+          for (int64_t d = 0; d < HEAD_DIM; ++d) {
+            queries[g * HEAD_DIM + d] = to_float(q_head[d]) * fscale;
+          }
+        }
+        // Scores, 8 keys at a time for every query head of the group: the keys' rows come
+        // from memory for the task's first KV head (kRowsAhead tokens requested ahead),
+        // from L2 for the others, and from L1 for every query head after the first.
+        if (kv == kv_begin) {
+          for (int64_t t = 0; t < std::min(kRowsAhead, len); ++t) {
+            prefetch_row(k_ptr + offsets[t], width);
+          }
+        }
+        for (int64_t t0 = 0; t0 < padded; t0 += kKeys) {
+          const T* keys[kKeys];
+          for (int64_t j = 0; j < kKeys; ++j) keys[j] = k_ptr + offsets[t0 + j] + head_offset;
+          if (kv == kv_begin) {
+            for (int64_t j = t0 + kRowsAhead; j < std::min(t0 + kRowsAhead + kKeys, len); ++j) {
+              prefetch_row(k_ptr + offsets[j], width);
+            }
+          }
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qh = queries.data() + g * HEAD_DIM;
+            __m256 acc[kKeys];
+            for (int64_t j = 0; j < kKeys; ++j) acc[j] = _mm256_setzero_ps();
+            for (int64_t c = 0; c < kChunks; ++c) {
+              const __m256 qv = _mm256_loadu_ps(qh + 8 * c);
+              for (int64_t j = 0; j < kKeys; ++j) {
+                acc[j] = _mm256_fmadd_ps(qv, load8(keys[j] + 8 * c), acc[j]);
+              }
+            }
+            _mm256_storeu_ps(scores.data() + g * padded + t0, fold8(acc));
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          float* s = scores.data() + g * padded;
+          const float peak = *std::max_element(s, s + len);
+          float total = 0.f;
+#pragma omp simd reduction(+ : total)
+          for (int64_t t = 0; t < len; ++t) {
+            s[t] = std::exp(s[t] - peak);
+            total += s[t];
+          }
+          inv_totals[g] = 1.f / total;
+        }
+        // Values: each pass adds 32 dimensions for up to kHeadsAtOnce query heads, so that
+        // a value row read once serves them all.
+        const T* values = v_ptr + head_offset;
+        for (int64_t pass = 0; pass < HEAD_DIM / (8 * kValueChunks); ++pass) {
+          const int64_t dim0 = pass * 8 * kValueChunks;
+          for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
+            const int64_t heads = std::min(kHeadsAtOnce, group - g0);
+            const bool prefetch = kv == kv_begin && pass == 0 && g0 == 0;
+            const float* s = scores.data() + g0 * padded;
+            T* o = out_ptr + (b * num_heads + h0 + g0) * HEAD_DIM + dim0;
+            const int64_t* offs = offsets.data();
+            if (heads == 3) {
+              add_values<T, 3>(values + dim0, offs, len, s, padded, &inv_totals[g0], o,
+                               HEAD_DIM, prefetch, width);
+            } else if (heads == 2) {
+              add_values<T, 2>(values + dim0, offs, len, s, padded, &inv_totals[g0], o,
+                               HEAD_DIM, prefetch, width);
+            } else {
+              add_values<T, 1>(values + dim0, offs, len, s, padded, &inv_totals[g0], o,
+                               HEAD_DIM, prefetch, width);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+#endif  // AVX2 and FMA
+
 // q [B, H, D] (rows of D contiguous); key_cache/value_cache [num_blocks, block_size,
 // kv_heads, D] (contiguous);
 // block_tables [B, max_blocks] int32; seq_lens [B] int32 (each >= 1) -> [B, H, D].
@@ -148,6 +347,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cac
   TORCH_CHECK(q.size(2) <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(),
                                   "paged_decode_attention", [&] {
+#if defined(__AVX2__) && defined(__FMA__)
+    if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>) {
+      if (q.size(2) == 64) {
+        decode_attention_avx2<scalar_t, 64>(q, key_cache, value_cache, block_tables, seq_lens,
+                                            scale, out);
+        return;
+      }
+      if (q.size(2) == 128) {
+        decode_attention_avx2<scalar_t, 128>(q, key_cache, value_cache, block_tables,
+                                             seq_lens, scale, out);
+        return;
+      }
+    }
+#endif
     switch (q.size(2)) {
       case 64:
         decode_attention_kernel<scalar_t, 64>(q, key_cache, value_cache, block_tables,
