@@ -38,6 +38,7 @@
 #include <torch/library.h>
 
 #include "dtype_conversion.h"
+#include "linear_epilogue.h"
 
 #include <immintrin.h>
 
@@ -346,13 +347,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const float* sc
                   packed.scalar_type() == weight_type && packed.size(0) == panels_for(n) &&
                   packed.size(1) == even(k) / 2,
               "packed must be ", packer, "'s packing of an [out_features, K] weight");
-  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
-                        bias->scalar_type() == at::kBFloat16),
-              "bias must be [out_features] bfloat16");
-  TORCH_CHECK(!residual || (residual->dim() == 2 && residual->size(0) == m &&
-                            residual->size(1) == n && residual->stride(1) == 1 &&
-                            residual->scalar_type() == at::kBFloat16),
-              "residual must be [M, out_features] bfloat16 with contiguous rows");
+  tokenmill::check_bias_and_residual(bias, residual, m, n, at::kBFloat16, "bfloat16");
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
   const Operands op{bits_of(x), x.stride(0), k, n, scales, groups.scales, groups.mins,

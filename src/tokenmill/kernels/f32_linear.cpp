@@ -41,6 +41,7 @@
 #include <torch/library.h>
 
 #include "avx2_lanes.h"
+#include "linear_epilogue.h"
 
 #include <immintrin.h>
 
@@ -373,13 +374,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const float* sc
                   packed.scalar_type() == weight_type && packed.size(0) == panels_for(n) &&
                   packed.size(1) * W::kInputsPerRecord == k && packed.size(2) == kPanel,
               "packed must be ", packer, "'s packing of an [out_features, K] weight");
-  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
-                        bias->scalar_type() == at::kFloat),
-              "bias must be [out_features] float32");
-  TORCH_CHECK(!residual || (residual->dim() == 2 && residual->size(0) == m &&
-                            residual->size(1) == n && residual->stride(1) == 1 &&
-                            residual->scalar_type() == at::kFloat),
-              "residual must be [M, out_features] float32 with contiguous rows");
+  tokenmill::check_bias_and_residual(bias, residual, m, n, at::kFloat, "float32");
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
   const Operands op{x.data_ptr<float>(), x.stride(0), k, n, scales, groups.scales,

@@ -42,6 +42,7 @@
 #include <torch/library.h>
 
 #include "avx2_lanes.h"
+#include "linear_epilogue.h"
 
 #include <immintrin.h>
 
@@ -263,13 +264,7 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed,
                   group_params.size(3) == kPanel && group_params.is_contiguous() &&
                   group_params.scalar_type() == at::kHalf,
               "group_params must be [panels, K / ", kGroup, ", 2, ", kPanel, "] float16");
-  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
-                        bias->scalar_type() == at::kFloat),
-              "bias must be [out_features] float32");
-  TORCH_CHECK(!residual || (residual->dim() == 2 && residual->size(0) == m &&
-                            residual->size(1) == n && residual->stride(1) == 1 &&
-                            residual->scalar_type() == at::kFloat),
-              "residual must be [M, out_features] float32 with contiguous rows");
+  tokenmill::check_bias_and_residual(bias, residual, m, n, at::kFloat, "float32");
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
   at::Tensor xq = at::empty({m, k}, x.options().dtype(at::kChar));
