@@ -48,64 +48,82 @@ constexpr int64_t kMaxHeadDim = 256;
 
 // HEAD_DIM > 0: the head size known at compile time (its loops unroll and the per-head
 // accumulators stay in registers); 0: read from the tensors (any size up to kMaxHeadDim).
-template <typename T, int64_t HEAD_DIM>
-void decode_attention_kernel(const at::Tensor& q, const at::Tensor& key_cache,
-                             const at::Tensor& value_cache, const at::Tensor& block_tables,
-                             const at::Tensor& seq_lens, double scale, at::Tensor& out) {
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1);
-  const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : q.size(2);
-  constexpr int64_t kBuffer = HEAD_DIM > 0 ? HEAD_DIM : kMaxHeadDim;
-  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t block_stride = key_cache.stride(0), token_stride = key_cache.stride(1);
-  const int64_t table_stride = block_tables.stride(0);
-  const int64_t q_seq_stride = q.stride(0), q_head_stride = q.stride(1);
-  const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = key_cache.data_ptr<T>();
-  const T* v_ptr = value_cache.data_ptr<T>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  T* out_ptr = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
-  // A task is a sequence's KV heads [kv_begin, kv_end): all of them when there are enough
-  // sequences to keep every thread busy, else one, so that a few long sequences still
-  // spread over the threads.
-  const int64_t heads_per_task =
-      num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
-  const int64_t tasks_per_seq = num_kv_heads / heads_per_task;
+// What both kernels read, from paged_decode_attention's checked tensors, and how they
+// split the work: a task is a sequence's KV heads [kv_begin, kv_begin + heads_per_task):
+// all of them when there are enough sequences to keep every thread busy, else one, so that
+// a few long sequences still spread over the threads.
+template <typename T>
+struct DecodeOperands {
+  int64_t num_seqs, num_heads, num_kv_heads, group, head_dim;
+  int64_t block_size, block_stride, token_stride, table_stride, q_seq_stride, q_head_stride;
+  const T* q;
+  const T* k;
+  const T* v;
+  const int32_t* tables;
+  const int32_t* lens;
+  T* out;
+  float scale;
+  int64_t heads_per_task, tasks_per_seq;
 
-  at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+  DecodeOperands(const at::Tensor& q_, const at::Tensor& key_cache,
+                 const at::Tensor& value_cache, const at::Tensor& block_tables,
+                 const at::Tensor& seq_lens, double scale_, at::Tensor& out_)
+      : num_seqs(q_.size(0)), num_heads(q_.size(1)), num_kv_heads(key_cache.size(2)),
+        group(num_heads / num_kv_heads), head_dim(q_.size(2)),
+        block_size(key_cache.size(1)), block_stride(key_cache.stride(0)),
+        token_stride(key_cache.stride(1)), table_stride(block_tables.stride(0)),
+        q_seq_stride(q_.stride(0)), q_head_stride(q_.stride(1)), q(q_.data_ptr<T>()),
+        k(key_cache.data_ptr<T>()), v(value_cache.data_ptr<T>()),
+        tables(block_tables.data_ptr<int32_t>()), lens(seq_lens.data_ptr<int32_t>()),
+        out(out_.data_ptr<T>()), scale(static_cast<float>(scale_)),
+        heads_per_task(num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1),
+        tasks_per_seq(num_kv_heads / heads_per_task) {}
+
+  // offsets[t] for t < lens[b]: where token t's row of sequence b's KV heads from kv_begin
+  // starts in either cache.
+  void row_offsets(int64_t b, int64_t kv_begin, int64_t* offsets) const {
+    const int32_t* table = tables + b * table_stride;
+    for (int64_t t = 0, block = 0; t < lens[b]; ++block) {
+      const int64_t base = table[block] * block_stride + kv_begin * head_dim;
+      for (int64_t i = 0; i < block_size && t < lens[b]; ++i, ++t) {
+        offsets[t] = base + i * token_stride;
+      }
+    }
+  }
+};
+
+template <typename T, int64_t HEAD_DIM>
+void decode_attention_kernel(const DecodeOperands<T>& op) {
+  const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : op.head_dim;
+  constexpr int64_t kBuffer = HEAD_DIM > 0 ? HEAD_DIM : kMaxHeadDim;
+  const int64_t group = op.group, heads_per_task = op.heads_per_task;
+
+  at::parallel_for(0, op.num_seqs * op.tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<int64_t> offsets;  // each token's row in either cache
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / tasks_per_seq;
-      const int64_t kv_begin = (task % tasks_per_seq) * heads_per_task;
+      const int64_t b = task / op.tasks_per_seq;
+      const int64_t kv_begin = (task % op.tasks_per_seq) * heads_per_task;
       const int64_t h_begin = kv_begin * group, h_end = (kv_begin + heads_per_task) * group;
       const int64_t width = heads_per_task * head_dim;  // elements of a token's K or V row
-      const int64_t len = lens[b];
-      const int32_t* table = tables + b * table_stride;
-      scores.resize(num_heads * len);
+      const int64_t len = op.lens[b];
+      scores.resize(op.num_heads * len);
       offsets.resize(len);
-      for (int64_t t = 0, block = 0; t < len; ++block) {
-        const int64_t base = table[block] * block_stride + kv_begin * head_dim;
-        for (int64_t i = 0; i < block_size && t < len; ++i, ++t) {
-          offsets[t] = base + i * token_stride;
-        }
-      }
+      op.row_offsets(b, kv_begin, offsets.data());
       // Head by head: the first head of a KV group reads its rows from memory (prefetched
       // ahead), the others find them in cache.
       for (int64_t h = h_begin; h < h_end; ++h) {
         const bool first = (h - h_begin) % group == 0;
         const int64_t head_offset = (h / group - kv_begin) * head_dim;
-        const T* q_head = q_ptr + b * q_seq_stride + h * q_head_stride;
+        const T* q_head = op.q + b * op.q_seq_stride + h * op.q_head_stride;
         float qh[kBuffer];
-        for (int64_t d = 0; d < head_dim; ++d) qh[d] = to_float(q_head[d]) * fscale;
+        for (int64_t d = 0; d < head_dim; ++d) qh[d] = to_float(q_head[d]) * op.scale;
         float* s = scores.data() + h * len;
         for (int64_t t = 0; t < len; ++t) {
           if (first && t + kPrefetchAhead < len) {
-            prefetch_row(k_ptr + offsets[t + kPrefetchAhead], width);
+            prefetch_row(op.k + offsets[t + kPrefetchAhead], width);
           }
-          const T* key = k_ptr + offsets[t] + head_offset;
+          const T* key = op.k + offsets[t] + head_offset;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * to_float(key[d]);
@@ -120,15 +138,15 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& key_cache,
         float acc[kBuffer] = {};
         for (int64_t t = 0; t < len; ++t) {
           if (first && t + kPrefetchAhead < len) {
-            prefetch_row(v_ptr + offsets[t + kPrefetchAhead], width);
+            prefetch_row(op.v + offsets[t + kPrefetchAhead], width);
           }
-          const T* value = v_ptr + offsets[t] + head_offset;
+          const T* value = op.v + offsets[t] + head_offset;
           const float w = s[t];
 #pragma omp simd
           for (int64_t d = 0; d < head_dim; ++d) acc[d] += w * to_float(value[d]);
         }
         const float inv = 1.f / total;
-        T* out_head = out_ptr + (b * num_heads + h) * head_dim;
+        T* out_head = op.out + (b * op.num_heads + h) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) out_head[d] = from_float<T>(acc[d] * inv);
       }
     }
@@ -203,56 +221,32 @@ inline void add_values(const T* values, const int64_t* offsets, int64_t len,
 }
 
 template <typename T, int64_t HEAD_DIM>
-void decode_attention_avx2(const at::Tensor& q, const at::Tensor& key_cache,
-                           const at::Tensor& value_cache, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+void decode_attention_avx2(const DecodeOperands<T>& op) {
   static_assert(HEAD_DIM % (8 * kValueChunks) == 0, "head size a multiple of 32");
   constexpr int64_t kChunks = HEAD_DIM / 8;
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1);
-  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t block_stride = key_cache.stride(0), token_stride = key_cache.stride(1);
-  const int64_t table_stride = block_tables.stride(0);
-  const int64_t q_seq_stride = q.stride(0), q_head_stride = q.stride(1);
-  const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = key_cache.data_ptr<T>();
-  const T* v_ptr = value_cache.data_ptr<T>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  T* out_ptr = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
-  // Tasks as in decode_attention_kernel.
-  const int64_t heads_per_task =
-      num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
-  const int64_t tasks_per_seq = num_kv_heads / heads_per_task;
+  const int64_t group = op.group, heads_per_task = op.heads_per_task;
 
-  at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, op.num_seqs * op.tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, queries(group * HEAD_DIM), inv_totals(group);
     std::vector<int64_t> offsets;  // each token's row of this task's first KV head
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / tasks_per_seq;
-      const int64_t kv_begin = (task % tasks_per_seq) * heads_per_task;
-      const int64_t len = lens[b];
+      const int64_t b = task / op.tasks_per_seq;
+      const int64_t kv_begin = (task % op.tasks_per_seq) * heads_per_task;
+      const int64_t len = op.lens[b];
       const int64_t padded = (len + kKeys - 1) / kKeys * kKeys;
       const int64_t width = heads_per_task * HEAD_DIM;  // elements of a token's K or V row
-      const int32_t* table = tables + b * table_stride;
       scores.resize(group * padded);
       offsets.resize(padded);
-      for (int64_t t = 0, block = 0; t < len; ++block) {
-        const int64_t base = table[block] * block_stride + kv_begin * HEAD_DIM;
-        for (int64_t i = 0; i < block_size && t < len; ++i, ++t) {
-          offsets[t] = base + i * token_stride;
-        }
-      }
+      op.row_offsets(b, kv_begin, offsets.data());
       // The last tile's missing keys repeat the last one; their scores are never read.
       std::fill(offsets.begin() + len, offsets.end(), offsets[len - 1]);
       for (int64_t kv = kv_begin; kv < kv_begin + heads_per_task; ++kv) {
         const int64_t head_offset = (kv - kv_begin) * HEAD_DIM;
         const int64_t h0 = kv * group;
         for (int64_t g = 0; g < group; ++g) {
-          const T* q_head = q_ptr + b * q_seq_stride + (h0 + g) * q_head_stride;
+          const T* q_head = op.q + b * op.q_seq_stride + (h0 + g) * op.q_head_stride;
           for (int64_t d = 0; d < HEAD_DIM; ++d) {
-            queries[g * HEAD_DIM + d] = to_float(q_head[d]) * fscale;
+            queries[g * HEAD_DIM + d] = to_float(q_head[d]) * op.scale;
           }
         }
         // Scores, 8 keys at a time for every query head of the group: the keys' rows come
@@ -260,15 +254,15 @@ void decode_attention_avx2(const at::Tensor& q, const at::Tensor& key_cache,
         // from L2 for the others, and from L1 for every query head after the first.
         if (kv == kv_begin) {
           for (int64_t t = 0; t < std::min(kRowsAhead, len); ++t) {
-            prefetch_row(k_ptr + offsets[t], width);
+            prefetch_row(op.k + offsets[t], width);
           }
         }
         for (int64_t t0 = 0; t0 < padded; t0 += kKeys) {
           const T* keys[kKeys];
-          for (int64_t j = 0; j < kKeys; ++j) keys[j] = k_ptr + offsets[t0 + j] + head_offset;
+          for (int64_t j = 0; j < kKeys; ++j) keys[j] = op.k + offsets[t0 + j] + head_offset;
           if (kv == kv_begin) {
             for (int64_t j = t0 + kRowsAhead; j < std::min(t0 + kRowsAhead + kKeys, len); ++j) {
-              prefetch_row(k_ptr + offsets[j], width);
+              prefetch_row(op.k + offsets[j], width);
             }
           }
           for (int64_t g = 0; g < group; ++g) {
@@ -297,14 +291,14 @@ void decode_attention_avx2(const at::Tensor& q, const at::Tensor& key_cache,
         }
         // Values: each pass adds 32 dimensions for up to kHeadsAtOnce query heads, so that
         // a value row read once serves them all.
-        const T* values = v_ptr + head_offset;
+        const T* values = op.v + head_offset;
         for (int64_t pass = 0; pass < HEAD_DIM / (8 * kValueChunks); ++pass) {
           const int64_t dim0 = pass * 8 * kValueChunks;
           for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
             const int64_t heads = std::min(kHeadsAtOnce, group - g0);
             const bool prefetch = kv == kv_begin && pass == 0 && g0 == 0;
             const float* s = scores.data() + g0 * padded;
-            T* o = out_ptr + (b * num_heads + h0 + g0) * HEAD_DIM + dim0;
+            T* o = op.out + (b * op.num_heads + h0 + g0) * HEAD_DIM + dim0;
             const int64_t* offs = offsets.data();
             if (heads == 3) {
               add_values<T, 3>(values + dim0, offs, len, s, padded, &inv_totals[g0], o,
@@ -347,32 +341,21 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cac
   TORCH_CHECK(q.size(2) <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(),
                                   "paged_decode_attention", [&] {
+    const DecodeOperands<scalar_t> op(q, key_cache, value_cache, block_tables, seq_lens,
+                                      scale, out);
 #if defined(__AVX2__) && defined(__FMA__)
     if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>) {
-      if (q.size(2) == 64) {
-        decode_attention_avx2<scalar_t, 64>(q, key_cache, value_cache, block_tables, seq_lens,
-                                            scale, out);
-        return;
-      }
-      if (q.size(2) == 128) {
-        decode_attention_avx2<scalar_t, 128>(q, key_cache, value_cache, block_tables,
-                                             seq_lens, scale, out);
-        return;
-      }
+      if (op.head_dim == 64) return decode_attention_avx2<scalar_t, 64>(op);
+      if (op.head_dim == 128) return decode_attention_avx2<scalar_t, 128>(op);
     }
 #endif
-    switch (q.size(2)) {
+    switch (op.head_dim) {
       case 64:
-        decode_attention_kernel<scalar_t, 64>(q, key_cache, value_cache, block_tables,
-                                              seq_lens, scale, out);
-        break;
+        return decode_attention_kernel<scalar_t, 64>(op);
       case 128:
-        decode_attention_kernel<scalar_t, 128>(q, key_cache, value_cache, block_tables,
-                                               seq_lens, scale, out);
-        break;
+        return decode_attention_kernel<scalar_t, 128>(op);
       default:
-        decode_attention_kernel<scalar_t, 0>(q, key_cache, value_cache, block_tables,
-                                             seq_lens, scale, out);
+        return decode_attention_kernel<scalar_t, 0>(op);
     }
   });
   return out;
