@@ -3,7 +3,8 @@
 For each configuration (``float32``, the reference; ``bfloat16``; ``int8`` and ``int4``
 weights with the activations ``--dtype auto`` gives them, as ``tokenmill serve`` does:
 bfloat16 where the CPU computes it, float32 elsewhere; ``w4a8``, int4 weights times int8
-activations, where its kernel runs; bfloat16 only where the CPU computes it) it measures, on the embedded model unless ``--model``:
+activations, in float32, where its kernel runs; bfloat16 only where the CPU computes it)
+it measures, on the embedded model unless ``--model``:
 
 - on a fixed public-domain text (``tests/data/public_domain.txt``), one prefill through
   the engine's own forward pass: the perplexity and its change against float32, the mean
@@ -40,7 +41,7 @@ TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 CONFIGS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
            "int8": {"dtype": "auto", "quantization": "int8"},
            "int4": {"dtype": "auto", "quantization": "int4"},
-           "w4a8": {"dtype": "float32", "quantization": "w4a8"}}
+           "w4a8": {"dtype": "auto", "quantization": "w4a8"}}
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.",
     "List three uses of a paperclip.", "Explain photosynthesis in one sentence.",

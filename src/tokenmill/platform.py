@@ -27,8 +27,11 @@ def pick_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``"auto" | "float32" | "bfloat16" | "float16"`` -> the torch dtype to run in."""
+def resolve_dtype(name: str, device: torch.device, quantization: str = "none") -> torch.dtype:
+    """``"auto" | "float32" | "bfloat16" | "float16"`` -> the torch dtype to run in. With
+    ``quantization`` ``w4a8``, whose kernel takes float32 activations, ``auto`` is float32."""
+    if name == "auto" and quantization == "w4a8":
+        return torch.float32
     if name == "auto":
         native_bf16 = device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16())
         return torch.bfloat16 if native_bf16 else torch.float32

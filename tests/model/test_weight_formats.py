@@ -303,8 +303,8 @@ def test_quantized_perplexity_of_smollm2_within_two_percent(native):
     for quantization in ("int8", "int4", "w4a8"):
         if quantization == "w4a8" and native.w4a8_linear is None:
             continue  # its kernel needs AVX2 and FMA
-        dtype = torch.float32 if quantization == "w4a8" else resolve_dtype("auto", CPU)
-        model = load_model(None, dtype, CPU, quantization, native)[0]
+        model = load_model(None, resolve_dtype("auto", CPU, quantization), CPU, quantization,
+                           native)[0]
         quantized = perplexity(model, token_ids)
         assert quantized <= exact * 1.02, (
             f"{quantization} perplexity {quantized:.3f} vs {exact:.3f}")

@@ -43,9 +43,7 @@ def build_engine(config: EngineConfig) -> Engine:
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     device = pick_device() if config.device == "auto" else torch.device(config.device)
-    # w4a8's kernel takes float32 activations, so "auto" means float32 with it
-    dtype = (torch.float32 if config.quantization == "w4a8" and config.dtype == "auto"
-             else resolve_dtype(config.dtype, device))
+    dtype = resolve_dtype(config.dtype, device, config.quantization)
     model, model_config = load_model(config.model, dtype, device, config.quantization,
                                      choose_kernels(config.kernels, device))
     tokenizer = load_tokenizer(config.model)
