@@ -53,6 +53,32 @@ def test_linear_matches_exact_arithmetic(ops, rows, out_features, in_features):
                         expected(x, weight, bias, residual), in_features)
 
 
+# One or two rows take several panels at once (13 panels here: groups and a remainder on
+# each thread); more rows take them one by one. Each output is the same chain of FMAs
+# either way, so a row's result is bitwise the same alone, in a pair or in a batch.
+@pytest.mark.parametrize("kind", ["float32", "int8"])
+def test_linear_rows_do_not_depend_on_their_batch(ops, kind):
+    gen = torch.Generator().manual_seed(7)
+    out_features, in_features = 203, 70
+    x = torch.randn(40, in_features, generator=gen)
+    if kind == "float32":
+        packed = ops.f32_pack_weight(torch.randn(out_features, in_features, generator=gen))
+
+        def linear(rows):
+            return ops.f32_linear(rows, packed, out_features, None, None)
+    else:
+        q = torch.randint(-127, 128, (out_features, in_features), generator=gen,
+                          dtype=torch.int8)
+        packed, scales = ops.int8_f32_pack_weight(q), torch.rand(out_features, generator=gen)
+
+        def linear(rows):
+            return ops.int8_f32_linear(rows, packed, scales, out_features, None, None)
+    batch = linear(x)
+    for size in (1, 2, 3, 7):
+        for start in range(0, 8, size):
+            assert torch.equal(linear(x[start:start + size]), batch[start:start + size])
+
+
 def test_linear_reads_strided_rows_in_place(ops):
     weight = torch.randn(64, 48)
     x = torch.randn(9, 100)[:, 20:68]  # rows 100 apart

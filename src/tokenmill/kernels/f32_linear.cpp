@@ -29,7 +29,9 @@
 // Threads split the panels; each streams its panels in order, and while it multiplies one
 // it requests the next into cache, so memory keeps streaming during the arithmetic. Rows go
 // through in chunks of at most kMaxRows (a register tile of kMaxRows rows x 16 float32
-// accumulators); the second and later chunks find the panel in cache. With more than two
+// accumulators); the second and later chunks find the panel in cache. One or two rows (a
+// decode step's few sequences) take several panels at once instead, so that enough
+// independent FMAs are in flight to keep up with memory. With more than two
 // chunks, an int8 panel is widened once into a float32 copy, which the chunks then share;
 // an int4 panel always is (its values, scaled and shifted, are the weights).
 //
@@ -65,6 +67,9 @@ constexpr int kMaxRows = 6;  // rows per micro-kernel call: 2 x 6 accumulators o
 // registers); more rows take a float32 copy of each panel (see linear)
 constexpr int kInt4DirectRows = 4;
 constexpr int64_t kMaxSharingChunks = 6;
+// Chains of FMAs (pairs of 8-lane sums) that one or two rows keep going at once: 4 x 2
+// chains cover the FMA units' latency (4 cycles, 2 a cycle).
+constexpr int kFewRowsSlots = 4;
 constexpr int64_t kLine = 64;  // bytes per cache line
 
 int64_t panels_for(int64_t n) { return (n + kPanel - 1) / kPanel; }
@@ -139,41 +144,51 @@ struct Ahead {
   int64_t pass, passes;
 };
 
-// Rows x[0 .. ROWS) (k inputs each) times one panel: acc[r][h] lanes are the outputs
-// 16 p + 8 h + lane of row r. The sums build in named registers (s<row><half>), copied out
-// once: with an array indexed in the loop, GCC also stores every sum to the stack at every
-// input, which halves the speed.
-template <typename W, int ROWS>
+// Rows x[0 .. ROWS) (k inputs each) times PANELS consecutive panels (panel_size elements
+// apart): acc[ROWS * j + r][h] lanes are the outputs 16 (p + j) + 8 h + lane of row r, for
+// the first panel p. Every output is one chain of FMAs over the inputs in order, however
+// many rows and panels go together, so a row's result does not depend on its batch. With
+// one or two rows, several panels at once give the FMA units enough independent chains
+// (an FMA waits for the previous one of its chain). The sums build in named registers
+// (s<slot><half>), copied out once: with an array indexed in the loop, GCC also stores
+// every sum to the stack at every input, which halves the speed.
+template <typename W, int ROWS, int PANELS = 1>
 inline void panel_kernel(const float* x, int64_t x_stride, int64_t k,
-                         const typename W::Elem* panel, Ahead ahead,
+                         const typename W::Elem* panel, int64_t panel_size, Ahead ahead,
                          __m256 (&acc)[kMaxRows][2]) {
-  static_assert(ROWS >= 1 && ROWS <= kMaxRows);
+  static_assert(ROWS >= 1 && PANELS >= 1 && ROWS * PANELS <= kMaxRows);
+  static_assert(PANELS == 1 || ROWS <= 2, "several panels only for one or two rows");
   constexpr int64_t kRecordsPerLine = kLine / (kPanel * sizeof(typename W::Elem));
+  const int64_t panel_bytes = panel_size * static_cast<int64_t>(sizeof(typename W::Elem));
   __m256 s00, s01, s10, s11, s20, s21, s30, s31, s40, s41, s50, s51;
   s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = s40 = s41 = s50 = s51 = _mm256_setzero_ps();
   for (int64_t i = 0, turn = ahead.pass; i < k; ++i) {
     if (i % kRecordsPerLine == 0) {
       if (turn == ahead.passes) turn = 0;
       if (ahead.panel && turn == 0) {
-        _mm_prefetch(ahead.panel + i * kPanel * sizeof(typename W::Elem), _MM_HINT_T1);
+        for (int j = 0; j < PANELS; ++j) {
+          _mm_prefetch(ahead.panel + j * panel_bytes +
+                           i * kPanel * static_cast<int64_t>(sizeof(typename W::Elem)),
+                       _MM_HINT_T1);
+        }
       }
       ++turn;
     }
-    __m256 w0, w1;
-    W::load(panel + i * kPanel, w0, w1);
-#define TOKENMILL_ROW(r)                                               \
-  if constexpr (ROWS > r) {                                            \
-    const __m256 xb = _mm256_broadcast_ss(x + r * x_stride + i);      \
-    s##r##0 = _mm256_fmadd_ps(xb, w0, s##r##0);                        \
-    s##r##1 = _mm256_fmadd_ps(xb, w1, s##r##1);                        \
+    __m256 w0[PANELS], w1[PANELS], xb[ROWS];
+    for (int j = 0; j < PANELS; ++j) W::load(panel + j * panel_size + i * kPanel, w0[j], w1[j]);
+    for (int r = 0; r < ROWS; ++r) xb[r] = _mm256_broadcast_ss(x + r * x_stride + i);
+#define TOKENMILL_SLOT(n)                                                 \
+  if constexpr (ROWS * PANELS > n) {                                      \
+    s##n##0 = _mm256_fmadd_ps(xb[n % ROWS], w0[n / ROWS], s##n##0);       \
+    s##n##1 = _mm256_fmadd_ps(xb[n % ROWS], w1[n / ROWS], s##n##1);       \
   }
-    TOKENMILL_ROW(0) TOKENMILL_ROW(1) TOKENMILL_ROW(2)
-    TOKENMILL_ROW(3) TOKENMILL_ROW(4) TOKENMILL_ROW(5)
-#undef TOKENMILL_ROW
+    TOKENMILL_SLOT(0) TOKENMILL_SLOT(1) TOKENMILL_SLOT(2)
+    TOKENMILL_SLOT(3) TOKENMILL_SLOT(4) TOKENMILL_SLOT(5)
+#undef TOKENMILL_SLOT
   }
   const __m256 sums[kMaxRows][2] = {{s00, s01}, {s10, s11}, {s20, s21},
                                     {s30, s31}, {s40, s41}, {s50, s51}};
-  for (int r = 0; r < ROWS; ++r) acc[r][0] = sums[r][0], acc[r][1] = sums[r][1];
+  for (int n = 0; n < ROWS * PANELS; ++n) acc[n][0] = sums[n][0], acc[n][1] = sums[n][1];
 }
 
 // What one call computes besides the panels: the rows, the output's extras, where it goes.
@@ -249,6 +264,26 @@ inline void int4_panel_kernel(const Operands& op, int64_t row, const uint8_t* pa
   }
 }
 
+// Panel p's outputs of rows [row, row + rows) from their sums (acc[r] for row row + r):
+// scale, bias and residual applied, stored.
+inline void store_panel(const Operands& op, int64_t row, int rows, int64_t p,
+                        const __m256 (*acc)[2]) {
+  for (int h = 0; h < 2; ++h) {
+    const int64_t col = p * kPanel + 8 * h;
+    if (col >= op.n) break;
+    const int64_t width = std::min<int64_t>(8, op.n - col);
+    const __m256 scale = op.scales ? load_lanes(op.scales + col, width) : _mm256_set1_ps(1.f);
+    const __m256 b = op.bias ? load_lanes(op.bias + col, width) : _mm256_setzero_ps();
+    for (int r = 0; r < rows; ++r) {
+      __m256 v = _mm256_fmadd_ps(acc[r][h], scale, b);
+      if (op.residual) {
+        v = _mm256_add_ps(v, load_lanes(op.residual + (row + r) * op.res_stride + col, width));
+      }
+      store_lanes(op.out + (row + r) * op.out_stride + col, v, width);
+    }
+  }
+}
+
 // Rows [row, row + ROWS) of the call times panel p.
 template <typename W, int ROWS>
 void rows_times_panel(const Operands& op, int64_t row, const typename W::Elem* panel,
@@ -257,22 +292,20 @@ void rows_times_panel(const Operands& op, int64_t row, const typename W::Elem* p
   if constexpr (std::is_same_v<W, Int4Weights>) {
     int4_panel_kernel<ROWS>(op, row, panel, ahead, p, acc);
   } else {
-    panel_kernel<W, ROWS>(op.x + row * op.x_stride, op.x_stride, op.k, panel, ahead, acc);
+    panel_kernel<W, ROWS>(op.x + row * op.x_stride, op.x_stride, op.k, panel, 0, ahead, acc);
   }
-  for (int h = 0; h < 2; ++h) {
-    const int64_t col = p * kPanel + 8 * h;
-    if (col >= op.n) break;
-    const int64_t width = std::min<int64_t>(8, op.n - col);
-    const __m256 scale = op.scales ? load_lanes(op.scales + col, width) : _mm256_set1_ps(1.f);
-    const __m256 b = op.bias ? load_lanes(op.bias + col, width) : _mm256_setzero_ps();
-    for (int r = 0; r < ROWS; ++r) {
-      __m256 v = _mm256_fmadd_ps(acc[r][h], scale, b);
-      if (op.residual) {
-        v = _mm256_add_ps(v, load_lanes(op.residual + (row + r) * op.res_stride + col, width));
-      }
-      store_lanes(op.out + (row + r) * op.out_stride + col, v, width);
-    }
-  }
+  store_panel(op, row, ROWS, p, acc);
+}
+
+// All ROWS rows of the call (one or two) times panels [p, p + PANELS), consecutive in
+// memory from ``panel``; ``next``: the panels to request into cache meanwhile, or null.
+template <typename W, int ROWS, int PANELS>
+void rows_times_panels(const Operands& op, const typename W::Elem* panel, int64_t panel_size,
+                       const void* next, int64_t p) {
+  __m256 acc[kMaxRows][2];
+  panel_kernel<W, ROWS, PANELS>(op.x, op.x_stride, op.k, panel, panel_size,
+                                Ahead{static_cast<const char*>(next), 0, 1}, acc);
+  for (int j = 0; j < PANELS; ++j) store_panel(op, 0, ROWS, p + j, acc + ROWS * j);
 }
 
 template <typename W>
@@ -389,7 +422,23 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const float* sc
   if constexpr (std::is_same_v<W, Int4Weights>) widen = m > kInt4DirectRows;
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> widened(widen ? k * kPanel : 0);
-    for (int64_t p = begin; p < end; ++p) {
+    int64_t p = begin;
+    if constexpr (!std::is_same_v<W, Int4Weights>) {
+      // One or two rows: kFewRowsSlots panels of chains at a time (see panel_kernel).
+      if (m <= 2) {
+        const int64_t group = kFewRowsSlots / m;
+        for (; p + group <= end; p += group) {
+          const auto* panel = weights + p * panel_size;
+          const auto* next = p + 2 * group <= end ? panel + group * panel_size : nullptr;
+          if (m == 1) {
+            rows_times_panels<W, 1, kFewRowsSlots>(op, panel, panel_size, next, p);
+          } else {
+            rows_times_panels<W, 2, kFewRowsSlots / 2>(op, panel, panel_size, next, p);
+          }
+        }
+      }
+    }
+    for (; p < end; ++p) {
       const auto* panel = weights + p * panel_size;
       const auto* next = p + 1 < end ? panel + panel_size : nullptr;
       if constexpr (std::is_same_v<W, F32Weights>) {
