@@ -174,13 +174,15 @@ inline void panel_kernel(const float* x, int64_t x_stride, int64_t k,
       }
       ++turn;
     }
-    __m256 w0[PANELS], w1[PANELS], xb[ROWS];
+    __m256 w0[PANELS], w1[PANELS];
     for (int j = 0; j < PANELS; ++j) W::load(panel + j * panel_size + i * kPanel, w0[j], w1[j]);
-    for (int r = 0; r < ROWS; ++r) xb[r] = _mm256_broadcast_ss(x + r * x_stride + i);
-#define TOKENMILL_SLOT(n)                                                 \
-  if constexpr (ROWS * PANELS > n) {                                      \
-    s##n##0 = _mm256_fmadd_ps(xb[n % ROWS], w0[n / ROWS], s##n##0);       \
-    s##n##1 = _mm256_fmadd_ps(xb[n % ROWS], w1[n / ROWS], s##n##1);       \
+    // Each slot broadcasts its row's input itself: with all rows' broadcasts held at once,
+    // six rows need more registers than there are.
+#define TOKENMILL_SLOT(n)                                                       \
+  if constexpr (ROWS * PANELS > n) {                                            \
+    const __m256 xb = _mm256_broadcast_ss(x + (n % ROWS) * x_stride + i);       \
+    s##n##0 = _mm256_fmadd_ps(xb, w0[n / ROWS], s##n##0);                       \
+    s##n##1 = _mm256_fmadd_ps(xb, w1[n / ROWS], s##n##1);                       \
   }
     TOKENMILL_SLOT(0) TOKENMILL_SLOT(1) TOKENMILL_SLOT(2)
     TOKENMILL_SLOT(3) TOKENMILL_SLOT(4) TOKENMILL_SLOT(5)
