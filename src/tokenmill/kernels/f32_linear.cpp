@@ -426,7 +426,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const float* sc
     std::vector<float> widened(widen ? k * kPanel : 0);
     int64_t p = begin;
     if constexpr (!std::is_same_v<W, Int4Weights>) {
-      // One or two rows: kFewRowsSlots panels of chains at a time (see panel_kernel).
+      // One or two rows: kFewRowsSlots / m panels at a time (see panel_kernel).
       if (m <= 2) {
         const int64_t group = kFewRowsSlots / m;
         for (; p + group <= end; p += group) {
