@@ -266,12 +266,16 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed,
   tokenmill::check_bias_and_residual(bias, residual, m, n, at::kFloat, "float32");
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
-  at::Tensor xq = at::empty({m, k}, x.options().dtype(at::kChar));
-  at::Tensor d = at::empty({m, k / kActBlock}, x.options());
-  at::Tensor sums = at::empty({m, k / kGroup}, x.options());
-  quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, xq.data_ptr<int8_t>(),
-                d.data_ptr<float>(), sums.data_ptr<float>());
-  const QuantizedRows xr{xq.data_ptr<int8_t>(), d.data_ptr<float>(), sums.data_ptr<float>(), k};
+  // One scratch allocation for the quantized rows: the block scales and the group sums
+  // (float32), then the int8 values.
+  const int64_t scale_count = m * (k / kActBlock), sum_count = m * (k / kGroup);
+  at::Tensor scratch = at::empty({(scale_count + sum_count) * 4 + m * k},
+                                 x.options().dtype(at::kByte));
+  auto* d = reinterpret_cast<float*>(scratch.data_ptr<uint8_t>());
+  float* sums = d + scale_count;
+  auto* xq = reinterpret_cast<int8_t*>(sums + sum_count);
+  quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, xq, d, sums);
+  const QuantizedRows xr{xq, d, sums, k};
   const Output o{bias ? bias->data_ptr<float>() : nullptr,
                  residual ? residual->data_ptr<float>() : nullptr,
                  residual ? residual->stride(0) : 0, out.data_ptr<float>(), n};
