@@ -202,13 +202,15 @@ def paged_attention(
 
 def attend(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     kv_cache: torch.Tensor,
     plan: AttentionPlan,
     scale: float,
 ) -> torch.Tensor:
-    """``paged_attention`` after the new keys and values are in ``kv_cache`` already."""
+    """``paged_attention`` after the new keys and values are in ``kv_cache`` already;
+    ``k`` and ``v`` (the new ones) may be None when ``plan.prefills`` is empty: only SDPA
+    prefills read them."""
     num_tokens, num_heads, head_dim = q.shape
     decode_out = None
     if plan.decode_block_ids is not None or plan.native_decode is not None:

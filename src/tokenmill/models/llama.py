@@ -73,8 +73,11 @@ class LlamaAttention(nn.Module):
         if self.native is not None:
             self.native.rotary_store_kv(qkv, cos, sin, kv_cache[0], kv_cache[1],
                                         plan.slot_mapping, self.num_heads, self.num_kv_heads)
-            q, k, v = (qkv[:, lo:hi].view(num_tokens, -1, self.head_dim) for lo, hi in
-                       ((0, self.q_size), (self.q_size, qk_size), (qk_size, qkv.shape[1])))
+            q = qkv[:, :self.q_size].view(num_tokens, -1, self.head_dim)
+            k = v = None  # read from the cache, except by prefills attending over SDPA
+            if plan.prefills:
+                k, v = (qkv[:, lo:hi].view(num_tokens, -1, self.head_dim)
+                        for lo, hi in ((self.q_size, qk_size), (qk_size, qkv.shape[1])))
             attn = attend(q, k, v, kv_cache, plan, self.scale)
             return self.o_proj.forward_add(attn, residual)
         # q and k rotated together: [T, heads + kv_heads, D]
