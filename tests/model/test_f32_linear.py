@@ -34,9 +34,9 @@ def assert_float32_sums(actual: torch.Tensor, exact: torch.Tensor, k: int) -> No
     assert ((actual.double() - exact).abs() <= bound).all()
 
 
-# rows: 1 (a decode step), 7 (two row chunks), 40 (seven), 130 (a prefill: many chunks);
-# outputs not a multiple of the 16-wide panel (nor of 8).
-@pytest.mark.parametrize("rows", [1, 7, 40, 130])
+# rows: 1 and 2 (decode steps: several panels at once), 7 (two row chunks), 40 (seven), 130
+# (a prefill: many chunks); outputs not a multiple of the 16-wide panel (nor of 8).
+@pytest.mark.parametrize("rows", [1, 2, 7, 40, 130])
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (37, 10), (203, 33)])
 def test_linear_matches_exact_arithmetic(ops, rows, out_features, in_features):
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
@@ -112,7 +112,7 @@ def test_linear_rejects_bad_input(ops):
         ops.f32_pack_weight(weight.bfloat16())
 
 
-@pytest.mark.parametrize("rows", [1, 13, 130])
+@pytest.mark.parametrize("rows", [1, 2, 13, 130])
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (37, 11)])
 def test_int8_linear_matches_exact_arithmetic(ops, rows, out_features, in_features):
     gen = torch.Generator().manual_seed(rows + out_features)
