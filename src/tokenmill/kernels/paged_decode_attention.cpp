@@ -46,8 +46,6 @@ inline void prefetch_row(const T* row, int64_t n) {
 
 constexpr int64_t kMaxHeadDim = 256;
 
-// HEAD_DIM > 0: the head size known at compile time (its loops unroll and the per-head
-// accumulators stay in registers); 0: read from the tensors (any size up to kMaxHeadDim).
 // What both kernels read, from paged_decode_attention's checked tensors, and how they
 // split the work: a task is a sequence's KV heads [kv_begin, kv_begin + heads_per_task):
 // all of them when there are enough sequences to keep every thread busy, else one, so that
@@ -92,6 +90,8 @@ struct DecodeOperands {
   }
 };
 
+// HEAD_DIM > 0: the head size known at compile time (its loops unroll and the per-head
+// accumulators stay in registers); 0: read from the tensors (any size up to kMaxHeadDim).
 template <typename T, int64_t HEAD_DIM>
 void decode_attention_kernel(const DecodeOperands<T>& op) {
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : op.head_dim;
