@@ -11,7 +11,7 @@ Measures, with the same weights and dtype in both:
 Each figure is the median over ``--repeats`` runs after one warm-up run. Prints a table and
 writes JSON (``--out``). Usage::
 
-    python benchmarks/forward.py [--model PATH] [--dtype bfloat16] [--out FILE]
+    python benchmarks/forward.py [--model PATH] [--dtype auto] [--kernels auto] [--out FILE]
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from report_file import write_report  # noqa: E402  (sibling module)
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+from tokenmill.config import KERNEL_CHOICES
+from tokenmill.kernels import choose_kernels
 from tokenmill.models.attention_metadata import AttentionMetadata
 from tokenmill.models.loader import default_model_path, load_model, model_name_for
 from tokenmill.platform import DTYPE_CHOICES, pick_device, resolve_dtype
@@ -140,7 +142,9 @@ def compare(ours, theirs, prompts, steps, dtype, device, repeats) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="HF folder or GGUF file (default: SmolLM2)")
-    parser.add_argument("--dtype", default="bfloat16", choices=DTYPE_CHOICES)
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    parser.add_argument("--kernels", default="auto", choices=KERNEL_CHOICES,
+                        help="tokenmill's kernels, as `tokenmill serve --kernels`")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--decode-steps", type=int, default=64)
     parser.add_argument("--streams", type=int, default=16)
@@ -153,7 +157,7 @@ def main() -> None:
     device = pick_device()
     dtype = resolve_dtype(args.dtype, device)
     path = args.model or default_model_path()
-    ours, config = load_model(path, dtype, device)
+    ours, config = load_model(path, dtype, device, native=choose_kernels(args.kernels, device))
     theirs = load_reference(path, dtype, device)
     gen = torch.Generator().manual_seed(0)
 
