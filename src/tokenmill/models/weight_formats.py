@@ -42,7 +42,7 @@ head) converts its plain ``[out, in]`` weight into it once:
   activations quantized to int8 per block of 16 inputs at every call, multiplied as
   integers (VPMADDUBSW: 32 products per instruction, four times a float32 FMA's). On a
   2-core AVX2 host, over SmolLM2's layers, 3.5x the float32 kernel's speed at one row,
-  2.3x at 16, 1.9x at 64 and 1.7x at 256; the accuracy cost (about 1.5% perplexity on
+  2.3x at 16, 1.9x at 64 and 1.7x at 256; the accuracy cost (about 1% perplexity on
   the embedded model) is the activations' rounding. Its head is ``NativeInt8Weight`` with
   float32 activations.
 - ``Int4Weight``: ``--quantization int4``, CPU, bfloat16 or float32 activations (PyTorch's
