@@ -10,7 +10,9 @@ with fresh prompts so nothing comes from a prefix cache.
 
 With ``--rounds N`` every server runs N times, every other round in reverse order, and
 each level reports its best round: a shared machine's speed drifts by tens of percent
-over minutes, and noise only ever slows a server down.
+over minutes, and noise only ever slows a server down. Beside the ratio of the bests, each
+level gets the median over the rounds of the ratio within a round (servers that ran
+minutes apart, not a whole run apart), the steadier figure when the drift is large.
 
 Prints one table: per server and concurrency, output tok/s, TTFT and ITL p50/p99, the
 ratio of the first tokenmill configuration to each peer, and the fraction of the host's
@@ -39,6 +41,7 @@ import itertools
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import tempfile
 import time
@@ -168,11 +171,13 @@ def measure(args: argparse.Namespace) -> dict:
         server["rows"] = best_rows(server["rounds"])
     reference = {r["concurrency"]: r for r in servers[0]["rows"]}
     for server in servers:
-        for r in server["rows"]:
+        medians = median_round_ratios(servers[0]["rounds"], server["rounds"])
+        for r, median in zip(server["rows"], medians, strict=True):
             r["roofline_tok_s"] = bounds[r["concurrency"]]
             r["roofline_fraction"] = r["output_tok_s"] / bounds[r["concurrency"]]
             r["ratio_reference_to_this"] = (reference[r["concurrency"]]["output_tok_s"]
                                             / r["output_tok_s"] if r["output_tok_s"] else None)
+            r["ratio_median_of_rounds"] = median
     return {"host": host, "cpu_count": os.cpu_count(), "model_matmul_params": matmul_params,
             "model_weights": weights, "args": vars(args), "reference": servers[0]["name"],
             "servers": servers}
@@ -200,6 +205,19 @@ def best_rows(rounds: list[list[dict]]) -> list[dict]:
     return best
 
 
+def median_round_ratios(reference: list[list[dict]], other: list[list[dict]]
+                        ) -> list[float | None]:
+    """Per level, the median over the rounds of reference / other output tokens/s within
+    each round (rounds [levels [row]]); None where a round has no tokens from the other."""
+    medians = []
+    for level in range(len(reference[0])):
+        ratios = [ours[level]["output_tok_s"] / theirs[level]["output_tok_s"]
+                  for ours, theirs in zip(reference, other, strict=True)
+                  if theirs[level]["output_tok_s"]]
+        medians.append(statistics.median(ratios) if len(ratios) == len(reference) else None)
+    return medians
+
+
 def print_table(report: dict) -> None:
     args, host = report["args"], report["host"]
     console = Console(width=140)
@@ -207,7 +225,7 @@ def print_table(report: dict) -> None:
                         f"{args['requests_per_stream']} requests per stream, best of "
                         f"{args['rounds']} round(s); ratio = {report['reference']} / server")
     for column in ("server", "streams", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
-                   "ITL p50 ms", "ITL p99 ms", "ok", "ratio", "roofline"):
+                   "ITL p50 ms", "ITL p99 ms", "ok", "ratio", "median ratio", "roofline"):
         table.add_column(column, justify="right")
     for server in report["servers"]:
         for index, r in enumerate(server["rows"]):
@@ -218,6 +236,8 @@ def print_table(report: dict) -> None:
                           str(r["requests_ok"]),
                           f"{r['ratio_reference_to_this']:.2f}"
                           if r["ratio_reference_to_this"] else "-",
+                          f"{r['ratio_median_of_rounds']:.2f}"
+                          if r["ratio_median_of_rounds"] else "-",
                           f"{r['roofline_fraction']:.0%}", end_section=last)
     console.print(table)
     bounds = ", ".join(f"c{r['concurrency']} {r['roofline_tok_s']:.0f}"
