@@ -1,7 +1,7 @@
 // Pieces the attention kernels share: requesting a cache row ahead of use, the exact
 // softmax numerators, and on AVX2 + FMA (8 float32 lanes) scoring 8 keys against one
-// query and the weighted sums of value rows, for rows stored in float32 or bfloat16. Key and
-// value rows lie anywhere in the paged cache; each is named by its offset.
+// query and the weighted sums of value rows, for rows stored in float32 or bfloat16. Key
+// and value rows lie anywhere in the paged cache; each is named by its offset.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -96,7 +96,9 @@ inline void accumulate_values(const T* values, const int64_t* offsets, int64_t b
                               float* sums, int64_t sums_stride, bool prefetch, int64_t width) {
   __m256 acc[NH][kValueChunks];
   for (int g = 0; g < NH; ++g) {
-    for (int c = 0; c < kValueChunks; ++c) acc[g][c] = _mm256_loadu_ps(sums + g * sums_stride + 8 * c);
+    for (int c = 0; c < kValueChunks; ++c) {
+      acc[g][c] = _mm256_loadu_ps(sums + g * sums_stride + 8 * c);
+    }
   }
   if (prefetch) {
     for (int64_t t = begin; t < std::min(begin + kRowsAhead, end); ++t) {
@@ -114,7 +116,9 @@ inline void accumulate_values(const T* values, const int64_t* offsets, int64_t b
     }
   }
   for (int g = 0; g < NH; ++g) {
-    for (int c = 0; c < kValueChunks; ++c) _mm256_storeu_ps(sums + g * sums_stride + 8 * c, acc[g][c]);
+    for (int c = 0; c < kValueChunks; ++c) {
+      _mm256_storeu_ps(sums + g * sums_stride + 8 * c, acc[g][c]);
+    }
   }
 }
 
@@ -154,7 +158,8 @@ inline void store_scaled(const float* sums, const float* inv_totals, int64_t hea
   for (int64_t g = 0; g < heads; ++g) {
     const __m256 inv = _mm256_set1_ps(inv_totals[g]);
     for (int64_t d = 0; d < HEAD_DIM; d += 8) {
-      store8(out + g * HEAD_DIM + d, _mm256_mul_ps(_mm256_loadu_ps(sums + g * HEAD_DIM + d), inv));
+      const __m256 sum = _mm256_loadu_ps(sums + g * HEAD_DIM + d);
+      store8(out + g * HEAD_DIM + d, _mm256_mul_ps(sum, inv));
     }
   }
 }
