@@ -53,7 +53,7 @@ constexpr int64_t kTile = 16;  // query tokens per task
 // The call's geometry, from paged_prefill_attention's checked tensors, and its tasks:
 // (sequence, KV head, tile of its queries), in that order.
 struct PrefillLayout {
-  int64_t num_heads, num_kv_heads, group, head_dim;
+  int64_t group, head_dim;
   int64_t block_size, block_stride, token_stride, table_stride;
   int64_t q_token_stride, q_head_stride, out_stride;
   const int32_t* tables;
@@ -64,8 +64,7 @@ struct PrefillLayout {
   PrefillLayout(const at::Tensor& q, const at::Tensor& key_cache,
                 const at::Tensor& block_tables, const at::Tensor& query_ranges,
                 const at::Tensor& seq_lens, const at::Tensor& out)
-      : num_heads(q.size(1)), num_kv_heads(key_cache.size(2)),
-        group(num_heads / num_kv_heads), head_dim(q.size(2)),
+      : group(q.size(1) / key_cache.size(2)), head_dim(q.size(2)),
         block_size(key_cache.size(1)), block_stride(key_cache.stride(0)),
         token_stride(key_cache.stride(1)), table_stride(block_tables.stride(0)),
         q_token_stride(q.stride(0)), q_head_stride(q.stride(1)), out_stride(out.stride(0)),
@@ -73,7 +72,7 @@ struct PrefillLayout {
         lens(seq_lens.data_ptr<int32_t>()), first_task(seq_lens.size(0) + 1, 0) {
     for (int64_t s = 0; s + 1 < static_cast<int64_t>(first_task.size()); ++s) {
       const int64_t tiles = (ranges[2 * s + 1] - ranges[2 * s] + kTile - 1) / kTile;
-      first_task[s + 1] = first_task[s] + tiles * num_kv_heads;
+      first_task[s + 1] = first_task[s] + tiles * key_cache.size(2);
     }
   }
 
