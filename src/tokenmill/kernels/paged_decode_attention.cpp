@@ -16,23 +16,33 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "attention_rows.h"
 #include "dtype_conversion.h"
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
+#include <cmath>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
-using tokenmill::exp_shifted;
 using tokenmill::from_float;
-using tokenmill::prefetch_row;
 using tokenmill::to_float;
 
 // Tokens ahead whose rows are requested before use: blocks lie anywhere in the cache, so
 // the hardware prefetcher cannot guess the next block.
 constexpr int64_t kPrefetchAhead = 4;
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t n) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) {
+    __builtin_prefetch(bytes + i);
+  }
+}
 
 constexpr int64_t kMaxHeadDim = 256;
 
@@ -119,7 +129,12 @@ void decode_attention_kernel(const DecodeOperands<T>& op) {
           for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * to_float(key[d]);
           s[t] = dot;
         }
-        const float total = exp_shifted(s, len);
+        const float peak = *std::max_element(s, s + len);
+        float total = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          s[t] = std::exp(s[t] - peak);
+          total += s[t];
+        }
         float acc[kBuffer] = {};
         for (int64_t t = 0; t < len; ++t) {
           if (first && t + kPrefetchAhead < len) {
@@ -140,19 +155,79 @@ void decode_attention_kernel(const DecodeOperands<T>& op) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 
-using tokenmill::accumulate_values_all;
-using tokenmill::kKeys;
-using tokenmill::kRowsAhead;
-using tokenmill::score_keys;
-using tokenmill::store_scaled;
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+inline void store8(at::BFloat16* p, __m256 v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  for (int i = 0; i < 8; ++i) p[i] = from_float<at::BFloat16>(lanes[i]);
+}
+
+// Lane j = the sum of the 8 lanes of v[j].
+inline __m256 fold8(const __m256 (&v)[8]) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                       _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+constexpr int64_t kKeys = 8;          // keys scored at once (one register of scores)
+constexpr int64_t kValueChunks = 4;   // registers of a value row added per pass
+constexpr int64_t kHeadsAtOnce = 3;   // query heads sharing each value row read
+// Tokens ahead whose whole K or V rows (every KV head of the task) are requested while
+// the task's first KV head is computed; the others find them in L2.
+constexpr int64_t kRowsAhead = 16;
+
+// For NH query heads g: out[g * out_stride + d] = sum_t scores[g * score_stride + t] *
+// V[t, d] * inv_totals[g], over the 32 dimensions d of one pass, V row t at
+// values + offsets[t]; with prefetch, rows of width elements are requested ahead.
+template <typename T, int NH>
+inline void add_values(const T* values, const int64_t* offsets, int64_t len,
+                       const float* scores, int64_t score_stride, const float* inv_totals,
+                       T* out, int64_t out_stride, bool prefetch, int64_t width) {
+  __m256 acc[NH][kValueChunks];
+  for (int g = 0; g < NH; ++g) {
+    for (int c = 0; c < kValueChunks; ++c) acc[g][c] = _mm256_setzero_ps();
+  }
+  if (prefetch) {
+    for (int64_t t = 0; t < std::min(kRowsAhead, len); ++t) {
+      prefetch_row(values + offsets[t], width);
+    }
+  }
+  for (int64_t t = 0; t < len; ++t) {
+    if (prefetch && t + kRowsAhead < len) prefetch_row(values + offsets[t + kRowsAhead], width);
+    const T* row = values + offsets[t];
+    __m256 w[NH];
+    for (int g = 0; g < NH; ++g) w[g] = _mm256_broadcast_ss(scores + g * score_stride + t);
+    for (int c = 0; c < kValueChunks; ++c) {
+      const __m256 v = load8(row + 8 * c);
+      for (int g = 0; g < NH; ++g) acc[g][c] = _mm256_fmadd_ps(w[g], v, acc[g][c]);
+    }
+  }
+  for (int g = 0; g < NH; ++g) {
+    const __m256 inv = _mm256_set1_ps(inv_totals[g]);
+    for (int c = 0; c < kValueChunks; ++c) {
+      store8(out + g * out_stride + 8 * c, _mm256_mul_ps(acc[g][c], inv));
+    }
+  }
+}
 
 template <typename T, int64_t HEAD_DIM>
 void decode_attention_avx2(const DecodeOperands<T>& op) {
+  static_assert(HEAD_DIM % (8 * kValueChunks) == 0, "head size a multiple of 32");
+  constexpr int64_t kChunks = HEAD_DIM / 8;
   const int64_t group = op.group, heads_per_task = op.heads_per_task;
 
   at::parallel_for(0, op.num_seqs * op.tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, queries(group * HEAD_DIM), inv_totals(group);
-    std::vector<float> sums(group * HEAD_DIM);  // the group's weighted sums of value rows
     std::vector<int64_t> offsets;  // each token's row of this task's first KV head
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / op.tasks_per_seq;
@@ -191,21 +266,52 @@ void decode_attention_avx2(const DecodeOperands<T>& op) {
             }
           }
           for (int64_t g = 0; g < group; ++g) {
-            _mm256_storeu_ps(scores.data() + g * padded + t0,
-                             score_keys<T, HEAD_DIM>(queries.data() + g * HEAD_DIM, keys));
+            const float* qh = queries.data() + g * HEAD_DIM;
+            __m256 acc[kKeys];
+            for (int64_t j = 0; j < kKeys; ++j) acc[j] = _mm256_setzero_ps();
+            for (int64_t c = 0; c < kChunks; ++c) {
+              const __m256 qv = _mm256_loadu_ps(qh + 8 * c);
+              for (int64_t j = 0; j < kKeys; ++j) {
+                acc[j] = _mm256_fmadd_ps(qv, load8(keys[j] + 8 * c), acc[j]);
+              }
+            }
+            _mm256_storeu_ps(scores.data() + g * padded + t0, fold8(acc));
           }
         }
         for (int64_t g = 0; g < group; ++g) {
-          inv_totals[g] = 1.f / exp_shifted(scores.data() + g * padded, len);
+          float* s = scores.data() + g * padded;
+          const float peak = *std::max_element(s, s + len);
+          float total = 0.f;
+#pragma omp simd reduction(+ : total)
+          for (int64_t t = 0; t < len; ++t) {
+            s[t] = std::exp(s[t] - peak);
+            total += s[t];
+          }
+          inv_totals[g] = 1.f / total;
         }
         // Values: each pass adds 32 dimensions for up to kHeadsAtOnce query heads, so that
         // a value row read once serves them all.
-        std::fill(sums.begin(), sums.end(), 0.f);
-        accumulate_values_all<T, HEAD_DIM>(op.v + head_offset, offsets.data(), 0, len,
-                                           scores.data(), padded, group, sums.data(),
-                                           kv == kv_begin, width);
-        store_scaled<T, HEAD_DIM>(sums.data(), inv_totals.data(), group,
-                                  op.out + (b * op.num_heads + h0) * HEAD_DIM);
+        const T* values = op.v + head_offset;
+        for (int64_t pass = 0; pass < HEAD_DIM / (8 * kValueChunks); ++pass) {
+          const int64_t dim0 = pass * 8 * kValueChunks;
+          for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
+            const int64_t heads = std::min(kHeadsAtOnce, group - g0);
+            const bool prefetch = kv == kv_begin && pass == 0 && g0 == 0;
+            const float* s = scores.data() + g0 * padded;
+            T* o = op.out + (b * op.num_heads + h0 + g0) * HEAD_DIM + dim0;
+            const int64_t* offs = offsets.data();
+            if (heads == 3) {
+              add_values<T, 3>(values + dim0, offs, len, s, padded, &inv_totals[g0], o,
+                               HEAD_DIM, prefetch, width);
+            } else if (heads == 2) {
+              add_values<T, 2>(values + dim0, offs, len, s, padded, &inv_totals[g0], o,
+                               HEAD_DIM, prefetch, width);
+            } else {
+              add_values<T, 1>(values + dim0, offs, len, s, padded, &inv_totals[g0], o,
+                               HEAD_DIM, prefetch, width);
+            }
+          }
+        }
       }
     }
   });
