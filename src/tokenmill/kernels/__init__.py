@@ -4,9 +4,9 @@
 ``ninja`` and returns their ``torch.ops.tokenmill`` ops as a ``NativeOps``, or ``None``
 where they cannot be built: the model then keeps its pure PyTorch path. The bfloat16 ops
 (linear layers, prefill attention) exist only on a CPU with AVX512-BF16, the float32
-linear layers only on one with AVX2 and FMA but no AVX-512, float32 prefill attention on
-any with AVX2 and FMA, the w4a8 linear layer on any with AVX2, FMA and F16C; elsewhere
-their fields are None. ``choose_kernels`` applies the engine's ``kernels`` option.
+linear layers only on one with AVX2 and FMA but no AVX-512, the w4a8 linear layer on any
+with AVX2, FMA and F16C; elsewhere their fields are None. ``choose_kernels`` applies the
+engine's ``kernels`` option.
 
 The build is tuned for the CPU it runs on (``-march=native``), so its cache entry is
 named after the sources, the compiler flags, PyTorch's version and the CPU's feature
@@ -37,8 +37,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
                              "fused_layers.cpp", "bf16_linear.cpp", "f32_linear.cpp",
                              "w4a8_linear.cpp", "argmax_rows.cpp", "sample_rows.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name)
-                for name in ("dtype_conversion.h", "avx2_lanes.h", "linear_epilogue.h",
-                             "attention_rows.h"))
+                for name in ("dtype_conversion.h", "avx2_lanes.h", "linear_epilogue.h"))
 # Fast math: vectorized exp and reassociated sums. (The bfloat16 rounding tests NaN on the
 # bits, so a NaN still comes out a NaN.)
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
@@ -56,14 +55,12 @@ class NativeOps:
     sample_rows: Callable
     # bfloat16 activations only, None where the CPU lacks AVX512-BF16: linear layers over
     # bfloat16, int8 or int4 weights in bf16_pack_weight's / int8_pack_weight's /
-    # weight_formats.NativeInt4Weight's layout
+    # weight_formats.NativeInt4Weight's layout; causal prefill attention (head size 64 or 128)
     bf16_pack_weight: Callable | None
     bf16_linear: Callable | None
     int8_pack_weight: Callable | None
     int8_linear: Callable | None
     int4_linear: Callable | None
-    # causal prefill attention, heads of 64 or 128: float32 on CPUs with AVX2 and FMA,
-    # bfloat16 on those with AVX512-BF16 (see prefill_attention_for); None without either
     paged_prefill_attention: Callable | None
     # float32 activations, None unless the CPU has AVX2 and FMA but no AVX-512F: linear
     # layers over float32, int8 or int4 weights in f32_pack_weight's /
@@ -77,15 +74,6 @@ class NativeOps:
     # FMA and F16C: linear layers over 4-bit weights in weight_formats.NativeW4A8Weight's
     # layout
     w4a8_linear: Callable | None
-
-    def prefill_attention_for(self, dtype: torch.dtype, head_dim: int) -> Callable | None:
-        """``paged_prefill_attention`` where it computes ``dtype`` heads of ``head_dim``
-        on this CPU, else None (prefills then take SDPA)."""
-        computes = {torch.float32: self.paged_prefill_attention is not None,
-                    torch.bfloat16: self.bf16_linear is not None}
-        if head_dim in (64, 128) and computes.get(dtype, False):
-            return self.paged_prefill_attention
-        return None
 
 
 @functools.cache
@@ -120,15 +108,14 @@ def native_ops() -> NativeOps | None:
     ops = torch.ops.tokenmill
     bf16 = {name: getattr(ops, name) if hasattr(ops, "bf16_linear") else None
             for name in ("bf16_pack_weight", "bf16_linear", "int8_pack_weight", "int8_linear",
-                         "int4_linear")}
+                         "int4_linear", "paged_prefill_attention")}
     f32 = {name: getattr(ops, name) if hasattr(ops, "f32_linear") else None
            for name in ("f32_pack_weight", "f32_linear", "int8_f32_pack_weight",
                         "int8_f32_linear", "int4_f32_linear")}
     w4a8 = ops.w4a8_linear if hasattr(ops, "w4a8_linear") else None
     return NativeOps(ops.paged_decode_attention, ops.rms_norm, ops.silu_and_mul,
-                     ops.rotary_store_kv, ops.argmax_rows, ops.sample_rows, **bf16,
-                     paged_prefill_attention=getattr(ops, "paged_prefill_attention", None),
-                     **f32, w4a8_linear=w4a8)
+                     ops.rotary_store_kv, ops.argmax_rows, ops.sample_rows, **bf16, **f32,
+                     w4a8_linear=w4a8)
 
 
 def choose_kernels(choice: str, device: torch.device) -> NativeOps | None:

@@ -1,6 +1,6 @@
 // Causal attention for the prompt (or prompt chunk) tokens of a batch, over the paged KV
-// cache read in place: bfloat16 on AVX512-BF16, float32 on AVX2 + FMA. Every prefilled
-// sequence of the batch in one call, written into the rows of ``out`` they own:
+// cache read in place, bfloat16 on AVX512-BF16. Every prefilled sequence of the batch in
+// one call, written into the rows of ``out`` they own:
 //
 //   for sequence s with query tokens [ranges[s, 0], ranges[s, 1]) and seq_lens[s] keys in
 //   all, query i (position ctx + i, ctx = seq_lens[s] - its query count) of head h:
@@ -8,23 +8,16 @@
 //
 // with K/V rows of sequence s in the cache blocks block_tables[s, :] (the new tokens' rows
 // already stored) and G = heads / kv_heads query heads per KV head. A task is a tile of up
-// to kTile query tokens of one sequence and one KV head, all G of its query heads.
-//
-// bfloat16 (AVX512-BF16):
+// to kTile query tokens of one sequence and one KV head, all G of its query heads:
 //   scores: q . k with VDPBF16PS (exact products, float32 sums), 16 keys' partial sums
 //           folded into one register (no horizontal sum per key);
 //   softmax in float32 with the maximum subtracted, over each query's own keys;
 //   values: each V row widened to float32 once per tile, then added into every query's
 //           accumulator with its weight; one rounding to bfloat16 at the end.
-// float32 (AVX2 + FMA), with decode attention's pieces (attention_rows.h): scores 8 keys at
-// a time for all the tile's (query, head) rows, each key row read once for them all; the
-// softmax numerators over each query's own keys; then value rows 32 keys at a time, each
-// read once for up to 3 heads of every query that sees it; scaled by 1 / the sum.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "attention_rows.h"
 #include "dtype_conversion.h"
 
 #include <immintrin.h>
@@ -34,87 +27,13 @@
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define TOKENMILL_PREFILL_BF16 1
-#else
-#define TOKENMILL_PREFILL_BF16 0
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-#define TOKENMILL_PREFILL_F32 1
-#else
-#define TOKENMILL_PREFILL_F32 0
-#endif
-
-#if TOKENMILL_PREFILL_BF16 || TOKENMILL_PREFILL_F32
 
 namespace {
-
-constexpr int64_t kTile = 16;  // query tokens per task
-
-// The call's geometry, from paged_prefill_attention's checked tensors, and its tasks:
-// (sequence, KV head, tile of its queries), in that order.
-struct PrefillLayout {
-  int64_t group, head_dim;
-  int64_t block_size, block_stride, token_stride, table_stride;
-  int64_t q_token_stride, q_head_stride, out_stride;
-  const int32_t* tables;
-  const int32_t* ranges;
-  const int32_t* lens;
-  std::vector<int64_t> first_task;  // sequence s's tasks are [first_task[s], first_task[s + 1])
-
-  PrefillLayout(const at::Tensor& q, const at::Tensor& key_cache,
-                const at::Tensor& block_tables, const at::Tensor& query_ranges,
-                const at::Tensor& seq_lens, const at::Tensor& out)
-      : group(q.size(1) / key_cache.size(2)), head_dim(q.size(2)),
-        block_size(key_cache.size(1)), block_stride(key_cache.stride(0)),
-        token_stride(key_cache.stride(1)), table_stride(block_tables.stride(0)),
-        q_token_stride(q.stride(0)), q_head_stride(q.stride(1)), out_stride(out.stride(0)),
-        tables(block_tables.data_ptr<int32_t>()), ranges(query_ranges.data_ptr<int32_t>()),
-        lens(seq_lens.data_ptr<int32_t>()), first_task(seq_lens.size(0) + 1, 0) {
-    for (int64_t s = 0; s + 1 < static_cast<int64_t>(first_task.size()); ++s) {
-      const int64_t tiles = (ranges[2 * s + 1] - ranges[2 * s] + kTile - 1) / kTile;
-      first_task[s + 1] = first_task[s] + tiles * key_cache.size(2);
-    }
-  }
-
-  int64_t num_tasks() const { return first_task.back(); }
-
-  // What one task computes: query tokens [r0, r1) of sequence s (whose first query is row
-  // start of q and out, after ctx tokens of context), for KV head kv; the tile's last
-  // query sees `keys` keys.
-  struct Tile {
-    int64_t s, start, ctx, kv, r0, r1, keys;
-  };
-
-  Tile tile(int64_t task) const {
-    const int64_t s =
-        std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
-    const int64_t start = ranges[2 * s], q_len = ranges[2 * s + 1] - start;
-    const int64_t ctx = lens[s] - q_len;
-    const int64_t tiles = (q_len + kTile - 1) / kTile;
-    const int64_t kv = (task - first_task[s]) / tiles;
-    const int64_t r0 = (task - first_task[s]) % tiles * kTile;
-    const int64_t r1 = std::min(q_len, r0 + kTile);
-    return {s, start, ctx, kv, r0, r1, ctx + r1};
-  }
-
-  // offsets[t]: where key t's row of the tile's KV head starts in either cache, for
-  // t < padded (>= tile.keys); the keys past tile.keys repeat the last one.
-  void key_offsets(const Tile& tile, int64_t padded, std::vector<int64_t>& offsets) const {
-    const int32_t* table = tables + tile.s * table_stride;
-    offsets.resize(padded);
-    for (int64_t t = 0; t < tile.keys; ++t) {
-      offsets[t] = table[t / block_size] * block_stride + (t % block_size) * token_stride +
-                   tile.kv * head_dim;
-    }
-    for (int64_t t = tile.keys; t < padded; ++t) offsets[t] = offsets[tile.keys - 1];
-  }
-};
-
-#if TOKENMILL_PREFILL_BF16
 
 using tokenmill::from_float;
 
 constexpr int64_t kKeys = 16;  // keys per score register
+constexpr int64_t kTile = 16;  // query tokens per task
 
 // Lane t of the result = the sum of the 16 lanes of v[t].
 inline __m512 fold16(__m512 (&v)[kKeys]) {
@@ -137,31 +56,57 @@ inline __m512 fold16(__m512 (&v)[kKeys]) {
 }
 
 template <int64_t HEAD_DIM>
-void prefill_attention_bf16(const PrefillLayout& layout, const at::Tensor& q,
-                            const at::Tensor& key_cache, const at::Tensor& value_cache,
-                            double scale, at::Tensor& out) {
+void prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
+                       const at::Tensor& value_cache, const at::Tensor& block_tables,
+                       const at::Tensor& query_ranges, const at::Tensor& seq_lens, double scale,
+                       at::Tensor& out) {
   constexpr int64_t kPairs = HEAD_DIM / 32;  // VDPBF16PS operands per row
   constexpr int64_t kLanes = HEAD_DIM / 16;  // float32 registers per row
-  const int64_t group = layout.group;
-  const int64_t q_token_stride = layout.q_token_stride, q_head_stride = layout.q_head_stride;
-  const int64_t out_stride = layout.out_stride;
+  const int64_t num_seqs = seq_lens.size(0), num_heads = q.size(1);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t block_stride = key_cache.stride(0), token_stride = key_cache.stride(1);
+  const int64_t table_stride = block_tables.stride(0);
+  const int64_t q_token_stride = q.stride(0), q_head_stride = q.stride(1);
+  const int64_t out_stride = out.stride(0);
   const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   const auto* k_ptr = reinterpret_cast<const uint16_t*>(key_cache.data_ptr<at::BFloat16>());
   const auto* v_ptr = reinterpret_cast<const uint16_t*>(value_cache.data_ptr<at::BFloat16>());
   auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* ranges = query_ranges.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, layout.num_tasks(), 1, [&](int64_t begin, int64_t end) {
+  // Tasks: (sequence, KV head, tile of its queries), in that order.
+  std::vector<int64_t> first_task(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t tiles = (ranges[2 * s + 1] - ranges[2 * s] + kTile - 1) / kTile;
+    first_task[s + 1] = first_task[s] + tiles * num_kv_heads;
+  }
+  at::parallel_for(0, first_task[num_seqs], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc;
     std::vector<int64_t> offsets;  // each key's row in either cache (this KV head)
     alignas(64) float values[kKeys][HEAD_DIM];
     for (int64_t task = begin; task < end; ++task) {
-      const PrefillLayout::Tile tile = layout.tile(task);
-      const int64_t start = tile.start, ctx = tile.ctx, kv = tile.kv;
-      const int64_t r0 = tile.r0, r1 = tile.r1, keys = tile.keys;
+      const int64_t s = std::upper_bound(first_task.begin(), first_task.end(), task) -
+                        first_task.begin() - 1;
+      const int64_t start = ranges[2 * s], q_len = ranges[2 * s + 1] - start;
+      const int64_t ctx = lens[s] - q_len;
+      const int64_t tiles = (q_len + kTile - 1) / kTile;
+      const int64_t kv = (task - first_task[s]) / tiles;
+      const int64_t tile = (task - first_task[s]) % tiles;
+      const int64_t r0 = tile * kTile, r1 = std::min(q_len, r0 + kTile);
       const int64_t rows = (r1 - r0) * group;   // (query, head) pairs of the tile
+      const int64_t keys = ctx + r1;            // the tile's last query sees them all
       const int64_t padded = (keys + kKeys - 1) / kKeys * kKeys;
-      layout.key_offsets(tile, padded, offsets);
+      const int32_t* table = tables + s * table_stride;
+      offsets.resize(padded);
+      for (int64_t t = 0; t < keys; ++t) {
+        offsets[t] = table[t / block_size] * block_stride + (t % block_size) * token_stride +
+                     kv * HEAD_DIM;
+      }
+      for (int64_t t = keys; t < padded; ++t) offsets[t] = offsets[keys - 1];
       scores.assign(rows * padded, 0.f);
       // Row (r, g) of the tile: query token r0 + r, head kv * G + g; it sees ctx + r0 + r + 1 keys.
       for (int64_t r = 0; r < r1 - r0; ++r) {
@@ -186,7 +131,13 @@ void prefill_attention_bf16(const PrefillLayout& layout, const at::Tensor& q,
             }
             _mm512_storeu_ps(p + t0, _mm512_mul_ps(fold16(dots), _mm512_set1_ps(fscale)));
           }
-          const float inv = 1.f / tokenmill::exp_shifted(p, seen);
+          const float peak = *std::max_element(p, p + seen);
+          float total = 0.f;
+          for (int64_t t = 0; t < seen; ++t) {
+            p[t] = std::exp(p[t] - peak);
+            total += p[t];
+          }
+          const float inv = 1.f / total;
           for (int64_t t = 0; t < seen; ++t) p[t] *= inv;
           std::fill(p + seen, p + padded, 0.f);  // keys it must not see weigh 0
         }
@@ -229,104 +180,21 @@ void prefill_attention_bf16(const PrefillLayout& layout, const at::Tensor& q,
   });
 }
 
-#endif  // TOKENMILL_PREFILL_BF16
-
-#if TOKENMILL_PREFILL_F32
-
-// Keys whose value rows are added into every query of a tile while they sit in L1.
-constexpr int64_t kValueBlock = 32;
-
-template <int64_t HEAD_DIM>
-void prefill_attention_f32(const PrefillLayout& layout, const at::Tensor& q,
-                           const at::Tensor& key_cache, const at::Tensor& value_cache,
-                           double scale, at::Tensor& out) {
-  constexpr int64_t kKeys = tokenmill::kKeys;
-  const int64_t group = layout.group;
-  const float* q_ptr = q.data_ptr<float>();
-  const float* k_ptr = key_cache.data_ptr<float>();
-  const float* v_ptr = value_cache.data_ptr<float>();
-  float* out_ptr = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-
-  at::parallel_for(0, layout.num_tasks(), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> queries, scores, inv_totals, sums;
-    std::vector<int64_t> offsets;  // each key's row in either cache (this KV head)
-    for (int64_t task = begin; task < end; ++task) {
-      const PrefillLayout::Tile tile = layout.tile(task);
-      const int64_t padded = (tile.keys + kKeys - 1) / kKeys * kKeys;
-      const int64_t rows = (tile.r1 - tile.r0) * group;  // row (r, g): query r0 + r, head g
-      layout.key_offsets(tile, padded, offsets);
-      queries.resize(rows * HEAD_DIM);
-      scores.resize(rows * padded);
-      inv_totals.resize(rows);
-      sums.assign(rows * HEAD_DIM, 0.f);
-      for (int64_t row = 0; row < rows; ++row) {
-        const float* q_row =
-            q_ptr + (tile.start + tile.r0 + row / group) * layout.q_token_stride +
-            (tile.kv * group + row % group) * layout.q_head_stride;
-        for (int64_t d = 0; d < HEAD_DIM; ++d) queries[row * HEAD_DIM + d] = q_row[d] * fscale;
-      }
-      // Query token r of the tile (rows r * G .. r * G + G - 1) sees keys [0, seen(r)).
-      auto seen = [&](int64_t r) { return tile.ctx + tile.r0 + r + 1; };
-      // Scores, 8 keys at a time for every row that sees the first of them (later keys
-      // of the 8 that a row must not see are scored, never read): each key row comes
-      // from memory once and serves all the tile's rows from L1.
-      for (int64_t t0 = 0; t0 < tile.keys; t0 += kKeys) {
-        const float* keys[kKeys];
-        for (int64_t j = 0; j < kKeys; ++j) keys[j] = k_ptr + offsets[t0 + j];
-        for (int64_t row = std::max<int64_t>(0, t0 - tile.ctx - tile.r0) * group; row < rows;
-             ++row) {
-          _mm256_storeu_ps(scores.data() + row * padded + t0,
-                           tokenmill::score_keys<float, HEAD_DIM>(
-                               queries.data() + row * HEAD_DIM, keys));
-        }
-      }
-      for (int64_t row = 0; row < rows; ++row) {
-        inv_totals[row] = 1.f / tokenmill::exp_shifted(scores.data() + row * padded,
-                                                       seen(row / group));
-      }
-      // Values, kValueBlock keys at a time, into every query token's G heads that sees
-      // them (each value row read once for up to 3 heads).
-      for (int64_t t0 = 0; t0 < tile.keys; t0 += kValueBlock) {
-        for (int64_t r = std::max<int64_t>(0, t0 - tile.ctx - tile.r0); r < tile.r1 - tile.r0;
-             ++r) {
-          tokenmill::accumulate_values_all<float, HEAD_DIM>(
-              v_ptr, offsets.data(), t0, std::min(t0 + kValueBlock, seen(r)),
-              scores.data() + r * group * padded, padded, group,
-              sums.data() + r * group * HEAD_DIM, false, HEAD_DIM);
-        }
-      }
-      for (int64_t r = 0; r < tile.r1 - tile.r0; ++r) {
-        tokenmill::store_scaled<float, HEAD_DIM>(
-            sums.data() + r * group * HEAD_DIM, inv_totals.data() + r * group, group,
-            out_ptr + (tile.start + tile.r0 + r) * layout.out_stride +
-                tile.kv * group * HEAD_DIM);
-      }
-    }
-  });
-}
-
-#endif  // TOKENMILL_PREFILL_F32
-
-// q [T, H, D] float32 or bfloat16 (rows of D contiguous); key_cache/value_cache
-// [N, bs, kvh, D] (contiguous); block_tables [S, max_blocks] int32; query_ranges [S, 2]
-// int32 (each sequence's flat token range [start, end) in q, disjoint); seq_lens [S] int32
-// (each at least its query count); out [T, H * D] (rows of H * D contiguous), all of one
-// dtype: the sequences' rows are written, the others kept.
+// q [T, H, D] bfloat16 (rows of D contiguous); key_cache/value_cache [N, bs, kvh, D]
+// (contiguous); block_tables [S, max_blocks] int32; query_ranges [S, 2] int32 (each
+// sequence's flat token range [start, end) in q, disjoint); seq_lens [S] int32 (each at
+// least its query count); out [T, H * D] (rows of H * D contiguous): the sequences' rows
+// are written, the others kept.
 void paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
                              const at::Tensor& query_ranges, const at::Tensor& seq_lens,
                              double scale, at::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && out.dim() == 2,
               "q [T, H, D], cache [N, bs, kvh, D], out [T, H * D]");
-  const at::ScalarType dtype = q.scalar_type();
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) &&
-                  key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype &&
-                  out.scalar_type() == dtype,
-              "q, the caches and out must be all float32 or all bfloat16");
-  TORCH_CHECK(dtype == at::kFloat ? TOKENMILL_PREFILL_F32 : TOKENMILL_PREFILL_BF16,
-              dtype == at::kFloat ? "float32 prefill attention needs AVX2 and FMA"
-                                  : "bfloat16 prefill attention needs AVX512-BF16");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && key_cache.scalar_type() == at::kBFloat16 &&
+                  value_cache.scalar_type() == at::kBFloat16 &&
+                  out.scalar_type() == at::kBFloat16,
+              "q, the caches and out must be bfloat16");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(1) == 1 && key_cache.is_contiguous() &&
                   value_cache.is_contiguous(),
               "q's and out's last dimension and the caches must be contiguous");
@@ -349,22 +217,18 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
                     (lens[s] + key_cache.size(1) - 1) / key_cache.size(1) <= block_tables.size(1),
                 "sequence ", s, ": its queries must lie in q, its keys in its block table");
   }
-  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "head_dim must be 64 or 128, got ",
-              q.size(2));
-  const PrefillLayout layout(q, key_cache, block_tables, query_ranges, seq_lens, out);
-  const bool wide = q.size(2) == 128;
-#if TOKENMILL_PREFILL_F32
-  if (dtype == at::kFloat) {
-    return wide ? prefill_attention_f32<128>(layout, q, key_cache, value_cache, scale, out)
-                : prefill_attention_f32<64>(layout, q, key_cache, value_cache, scale, out);
+  switch (q.size(2)) {
+    case 64:
+      prefill_attention<64>(q, key_cache, value_cache, block_tables, query_ranges, seq_lens,
+                            scale, out);
+      break;
+    case 128:
+      prefill_attention<128>(q, key_cache, value_cache, block_tables, query_ranges, seq_lens,
+                             scale, out);
+      break;
+    default:
+      TORCH_CHECK(false, "head_dim must be 64 or 128, got ", q.size(2));
   }
-#endif
-#if TOKENMILL_PREFILL_BF16
-  if (dtype == at::kBFloat16) {
-    return wide ? prefill_attention_bf16<128>(layout, q, key_cache, value_cache, scale, out)
-                : prefill_attention_bf16<64>(layout, q, key_cache, value_cache, scale, out);
-  }
-#endif
 }
 
 }  // namespace
@@ -379,4 +243,4 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("paged_prefill_attention", &paged_prefill_attention);
 }
 
-#endif  // TOKENMILL_PREFILL_BF16 || TOKENMILL_PREFILL_F32
+#endif  // AVX512-BF16

@@ -177,8 +177,11 @@ class LlamaForCausalLM(nn.Module):
         """Compute attention, norms, rotary and the SiLU gate with ``tokenmill.kernels``'
         compiled ops (None: PyTorch's own, the default)."""
         self.native_ops = ops
-        self.native_prefill = ops and ops.prefill_attention_for(
-            self.model.embed_tokens.weight.dtype, self.config.head_dim)
+        # the prefill kernel computes bfloat16 heads of 64 or 128
+        self.native_prefill = (
+            ops.paged_prefill_attention
+            if ops is not None and self.model.embed_tokens.weight.dtype == torch.bfloat16
+            and self.config.head_dim in (64, 128) else None)
         for module in self.modules():
             if isinstance(module, (RMSNorm, GatedMLP, LlamaAttention)):
                 module.native = ops
