@@ -32,9 +32,9 @@ from rich.console import Console
 from rich.table import Table
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.hardware import cpu_has_bf16
 from tokenmill.kernels import native_ops
 from tokenmill.models.perplexity import mean_kl_divergence, next_token_logprobs, perplexity_of
-from tokenmill.platform import cpu_has_bf16
 
 TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests",
                     "data", "public_domain.txt")

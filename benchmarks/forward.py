@@ -28,10 +28,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from tokenmill.config import KERNEL_CHOICES
+from tokenmill.hardware import DTYPE_CHOICES, pick_device, resolve_dtype
 from tokenmill.kernels import choose_kernels
 from tokenmill.models.attention_metadata import AttentionMetadata
 from tokenmill.models.loader import default_model_path, load_model, model_name_for
-from tokenmill.platform import DTYPE_CHOICES, pick_device, resolve_dtype
 
 BLOCK_SIZE = 16
 

@@ -45,10 +45,11 @@ from rich.table import Table
 
 from tokenmill import cli
 from tokenmill.core.engine_core import EngineCore
-from tokenmill.core.model_runner import ModelRunner
-from tokenmill.core.sampler import Sampler
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.frontend import engine_loop, request_state
+from tokenmill.engine import process as engine_loop
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.sampler import Sampler
+from tokenmill.frontend import request_state
 from tokenmill.models import layers, llama
 
 SNAPSHOT_ENV = "STEP_BREAKDOWN_FILE"

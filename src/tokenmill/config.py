@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from tokenmill.sampling_params import InvalidParameterError
+from tokenmill.errors import InvalidParameterError
 
 QUANTIZATION_CHOICES = ("none", "int8", "int4", "w4a8")
 KERNEL_CHOICES = ("auto", "native", "torch")

@@ -9,13 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-
-class InvalidParameterError(ValueError):
-    """A user-supplied value is out of range; ``param`` names the field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+from tokenmill.errors import InvalidParameterError
 
 
 @dataclass(slots=True)

@@ -16,9 +16,9 @@ import uvicorn
 from server_process import free_port
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.builder import build_engine
+from tokenmill.engine.process import start_engine_thread
 from tokenmill.frontend.async_engine import AsyncEngine
-from tokenmill.frontend.builder import build_engine
-from tokenmill.frontend.engine_loop import start_engine_thread
 from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.server.app import build_app
 from tokenmill.server.serving import ServerOptions

@@ -9,8 +9,8 @@ import random
 import pytest
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.metrics.records import FinishReason
-from tokenmill.sampling_params import InvalidParameterError
+from tokenmill.core.records import FinishReason
+from tokenmill.errors import InvalidParameterError
 
 NUM_TOKENS = 24
 

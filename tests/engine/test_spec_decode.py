@@ -14,8 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.core.model_runner import ModelRunner
 from tokenmill.core.types import ScheduledRequest, SchedulerOutput
+from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.models.loader import load_model
 
 SPEC = {"speculative_ngram": 4, "ngram_min": 1, "ngram_max": 3,

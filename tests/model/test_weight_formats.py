@@ -14,6 +14,8 @@ import torch
 from paged_runner import PagedRunner
 from safetensors.torch import load_file
 
+from tokenmill.errors import InvalidParameterError
+from tokenmill.hardware import resolve_dtype
 from tokenmill.models import weight_formats
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.layers import Linear
@@ -32,8 +34,6 @@ from tokenmill.models.weight_formats import (
     head_format,
     onednn_supports,
 )
-from tokenmill.platform import resolve_dtype
-from tokenmill.sampling_params import InvalidParameterError
 from tokenmill.tokenizer.tokenizer import load_tokenizer
 
 CPU = torch.device("cpu")

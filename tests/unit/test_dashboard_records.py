@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.metrics.history import SAMPLE_FIELDS, EngineHistory, percentiles
-from tokenmill.metrics.records import (
+from tokenmill.core.records import (
     FinishReason,
     IterationStats,
     RequestEvent,
     RequestEventType,
     SchedulerStats,
 )
+from tokenmill.metrics.history import SAMPLE_FIELDS, EngineHistory, percentiles
 from tokenmill.metrics.stats import compute_request_stats
 from tokenmill.metrics.timeline import Timeline
 

@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenmill.metrics.log import StatLogger
-from tokenmill.metrics.prometheus import METRICS, PrometheusMetrics
-from tokenmill.metrics.records import (
+from tokenmill.core.records import (
     FinishReason,
     IterationStats,
     RequestEvent,
     RequestEventType,
     SchedulerStats,
 )
+from tokenmill.metrics.log import StatLogger
+from tokenmill.metrics.prometheus import METRICS, PrometheusMetrics
 from tokenmill.metrics.stats import compute_request_stats
 
 MODEL = "smollm2"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tokenmill.metrics.records import FinishReason, RequestEvent, RequestEventType
+from tokenmill.core.records import FinishReason, RequestEvent, RequestEventType
 from tokenmill.metrics.stats import RequestStats, compute_request_stats
 
 E = RequestEventType

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.core.sampler import Sampler, SamplingBatch
+from tokenmill.engine.sampler import Sampler, SamplingBatch
 from tokenmill.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -12,7 +12,7 @@ from fake_executor import (
     run_to_completion,
 )
 
-from tokenmill.metrics.records import FinishReason, RequestEventType
+from tokenmill.core.records import FinishReason, RequestEventType
 
 
 def test_single_request_computes_exact_continuation() -> None:

@@ -8,8 +8,8 @@ import random
 import pytest
 from fake_executor import VOCAB, expected_continuation, make_core, make_request
 
+from tokenmill.core.records import FinishReason
 from tokenmill.core.spec_decode import NgramProposer
-from tokenmill.metrics.records import FinishReason
 
 
 def test_proposer_drafts_what_followed_the_longest_match() -> None:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tokenmill.metrics.records import SchedulerStats
+from tokenmill.core.records import SchedulerStats
 from tokenmill.ray_serve.load import TokenLoad
 from tokenmill.ray_serve.policy import TokenLoadPolicy, desired_replicas
 from tokenmill.ray_serve.ranking import EQUAL_LOAD_TOKENS, rank_by_token_load

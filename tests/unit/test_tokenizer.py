@@ -11,8 +11,8 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from tokenmill.errors import InvalidParameterError
 from tokenmill.models.loader import default_model_path
-from tokenmill.sampling_params import InvalidParameterError
 from tokenmill.tokenizer.gguf_vocab import build_byte_level_bpe, read_gguf_metadata
 from tokenmill.tokenizer.tokenizer import Tokenizer, load_tokenizer
 

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache.manager import KVCacheManager
+from tokenmill.core.records import FinishReason, IterationStats
 from tokenmill.core.request import EngineCoreRequest, Request
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.types import (
@@ -21,7 +22,6 @@ from tokenmill.core.types import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from tokenmill.metrics.records import FinishReason, IterationStats
 
 
 class StepFailed(RuntimeError):

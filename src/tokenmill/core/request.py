@@ -20,7 +20,7 @@ import enum
 import time
 from dataclasses import dataclass
 
-from tokenmill.metrics.records import FinishReason, RequestEvent, RequestEventType
+from tokenmill.core.records import FinishReason, RequestEvent, RequestEventType
 from tokenmill.sampling_params import SamplingParams
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache.manager import KVCacheManager
+from tokenmill.core.records import FinishReason, RequestEventType, SchedulerStats
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.spec_decode import NgramProposer
 from tokenmill.core.types import (
@@ -41,7 +42,6 @@ from tokenmill.core.types import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from tokenmill.metrics.records import FinishReason, RequestEventType, SchedulerStats
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tokenmill.metrics.records import (
+from tokenmill.core.records import (
     FinishReason,
     IterationStats,
     RequestEvent,

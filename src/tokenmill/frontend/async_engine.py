@@ -23,18 +23,18 @@ import time
 from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
 
-from tokenmill.core.request import EngineCoreRequest
-from tokenmill.core.types import EngineCoreOutput
-from tokenmill.frontend.engine_loop import Abort, QueueState, StepResult
-from tokenmill.frontend.outputs import ChoiceDelta
-from tokenmill.frontend.request_log import RequestLog
-from tokenmill.frontend.request_state import ChoiceState
-from tokenmill.metrics.records import (
+from tokenmill.core.records import (
     FinishReason,
     RequestEvent,
     RequestEventType,
     SchedulerStats,
 )
+from tokenmill.core.request import EngineCoreRequest
+from tokenmill.core.types import EngineCoreOutput
+from tokenmill.engine.process import Abort, QueueState, StepResult
+from tokenmill.frontend.outputs import ChoiceDelta
+from tokenmill.frontend.request_log import RequestLog
+from tokenmill.frontend.request_state import ChoiceState
 from tokenmill.metrics.stats import RequestStats
 from tokenmill.tokenizer.tokenizer import Tokenizer
 

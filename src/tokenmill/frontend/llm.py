@@ -12,11 +12,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import fields
 
 from tokenmill.config import EngineConfig
-from tokenmill.frontend.builder import Engine, build_engine
+from tokenmill.core.records import FinishReason, RequestEvent, RequestEventType
+from tokenmill.engine.builder import Engine, build_engine
+from tokenmill.errors import InvalidParameterError
 from tokenmill.frontend.outputs import ChoiceDelta, CompletionOutput, RequestOutput
 from tokenmill.frontend.request_state import ChoiceState
-from tokenmill.metrics.records import FinishReason, RequestEvent, RequestEventType
-from tokenmill.sampling_params import InvalidParameterError, SamplingParams
+from tokenmill.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 

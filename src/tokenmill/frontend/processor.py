@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tokenmill.core.request import EngineCoreRequest
-from tokenmill.sampling_params import InvalidParameterError, SamplingParams
+from tokenmill.errors import InvalidParameterError
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer.tokenizer import Tokenizer
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from tokenmill.core.records import FinishReason, RequestEvent, RequestEventType
 from tokenmill.core.types import EngineCoreOutput
 from tokenmill.frontend.outputs import ChoiceDelta
-from tokenmill.metrics.records import FinishReason, RequestEvent, RequestEventType
 from tokenmill.metrics.stats import RequestStats, compute_request_stats
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer.detokenizer import IncrementalDetokenizer

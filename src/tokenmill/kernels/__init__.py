@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.platform import cpu_flags
-from tokenmill.sampling_params import InvalidParameterError
+from tokenmill.errors import InvalidParameterError
+from tokenmill.hardware import cpu_flags
 
 logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name)

@@ -22,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from tokenmill.metrics.records import FinishReason, IterationStats, SchedulerStats
+from tokenmill.core.records import FinishReason, IterationStats, SchedulerStats
 from tokenmill.metrics.stats import RequestStats
 
 PERCENTILES = (50, 90, 99)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 
-from tokenmill.metrics.records import IterationStats, SchedulerStats
+from tokenmill.core.records import IterationStats, SchedulerStats
 
 _EMPTY = SchedulerStats(
     num_running=0,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import prometheus_client as prom
 
-from tokenmill.metrics.records import FinishReason, IterationStats, SchedulerStats
+from tokenmill.core.records import FinishReason, IterationStats, SchedulerStats
 from tokenmill.metrics.stats import RequestStats
 
 REJECTION_REASONS = ("max_num_queued_requests", "max_num_queued_tokens")

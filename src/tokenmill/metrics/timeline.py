@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenmill.metrics.records import FinishReason, RequestEvent, RequestEventType
+from tokenmill.core.records import FinishReason, RequestEvent, RequestEventType
 
 _E = RequestEventType
 QUEUED, PREFILLING, DECODING, PREEMPTED = "queued", "prefilling", "decoding", "preempted"

@@ -65,9 +65,9 @@ from collections.abc import Callable
 
 import torch
 
+from tokenmill.errors import InvalidParameterError
+from tokenmill.hardware import cpu_has_amx
 from tokenmill.kernels import NativeOps
-from tokenmill.platform import cpu_has_amx
-from tokenmill.sampling_params import InvalidParameterError
 
 
 class OneDNNWeight:

@@ -7,7 +7,7 @@ and routing. ``token_load = kv_cache_tokens_used + num_tokens_waiting``.
 
 from __future__ import annotations
 
-from tokenmill.metrics.records import IterationStats, SchedulerStats
+from tokenmill.core.records import IterationStats, SchedulerStats
 
 KV_TOKENS = "kv_cache_tokens_used"
 TOKENS_WAITING = "num_tokens_waiting"

@@ -24,9 +24,9 @@ from ray.serve import metrics as serve_metrics
 
 from tokenmill.cli import api_keys_from, request_limits_from
 from tokenmill.config import EngineConfig
-from tokenmill.frontend.engine_loop import start_engine_process
+from tokenmill.core.records import IterationStats, SchedulerStats
+from tokenmill.engine.process import start_engine_process
 from tokenmill.metrics.prometheus import METRICS
-from tokenmill.metrics.records import IterationStats, SchedulerStats
 from tokenmill.ray_serve.load import TokenLoad
 from tokenmill.server.app import build_server
 

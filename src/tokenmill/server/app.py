@@ -15,8 +15,8 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill import __version__
 from tokenmill.config import EngineConfig
+from tokenmill.engine.process import EngineInfo
 from tokenmill.frontend.async_engine import AsyncEngine
-from tokenmill.frontend.engine_loop import EngineInfo
 from tokenmill.frontend.processor import InputProcessor
 from tokenmill.frontend.request_log import RequestLog
 from tokenmill.metrics.history import EngineHistory

@@ -12,8 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from tokenmill.errors import InvalidParameterError
 from tokenmill.frontend.async_engine import AdmissionRejected
-from tokenmill.sampling_params import InvalidParameterError
 
 logger = logging.getLogger("tokenmill")
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from tokenmill.sampling_params import InvalidParameterError, SamplingParams
+from tokenmill.errors import InvalidParameterError
+from tokenmill.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenmill.sampling_params import InvalidParameterError
+from tokenmill.errors import InvalidParameterError
 from tokenmill.server.errors import error_response
 from tokenmill.server.lifecycle import ServerLifecycle
 from tokenmill.server.limits import RequestLimits

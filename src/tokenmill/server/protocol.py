@@ -22,7 +22,8 @@ from pydantic import (
     model_validator,
 )
 
-from tokenmill.sampling_params import InvalidParameterError, SamplingParams
+from tokenmill.errors import InvalidParameterError
+from tokenmill.sampling_params import SamplingParams
 
 
 def _valid_unicode(text: str) -> str:

@@ -19,8 +19,8 @@ import threading
 import uvicorn
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.process import start_engine_process
 from tokenmill.frontend.async_engine import AsyncEngine
-from tokenmill.frontend.engine_loop import start_engine_process
 from tokenmill.server.app import build_server
 from tokenmill.server.limits import RequestLimits
 

@@ -28,8 +28,8 @@ from typing import Any
 import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from tokenmill.errors import InvalidParameterError
 from tokenmill.models.loader import default_model_path
-from tokenmill.sampling_params import InvalidParameterError
 from tokenmill.tokenizer.gguf_vocab import (
     build_byte_level_bpe,
     read_gguf_metadata,

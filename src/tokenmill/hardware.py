@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from tokenmill.sampling_params import InvalidParameterError
+from tokenmill.errors import InvalidParameterError
 
 DTYPES = {
     "float32": torch.float32,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.platform import cpu_has_bf16, pick_device, resolve_dtype
-from tokenmill.sampling_params import InvalidParameterError
+from tokenmill.errors import InvalidParameterError
+from tokenmill.hardware import cpu_has_bf16, pick_device, resolve_dtype
 
 CPU = torch.device("cpu")
 

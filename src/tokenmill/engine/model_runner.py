@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from tokenmill.core.sampler import Sampler, SamplingBatch
 from tokenmill.core.spec_decode import accept_drafts, verify_rows
 from tokenmill.core.types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.engine.sampler import Sampler, SamplingBatch
 from tokenmill.models.attention_metadata import AttentionMetadata
 
 

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.core.sampling_batch import PenaltySettings, SamplingBatch
 from tokenmill.core.types import TokenLogprob
+from tokenmill.engine.sampling_batch import PenaltySettings, SamplingBatch
 
 # Top-p first looks for its cut among this many most likely tokens, and sorts the whole
 # vocabulary only for a row whose candidates hold less than its top_p.

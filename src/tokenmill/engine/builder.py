@@ -10,13 +10,13 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_core import EngineCore
-from tokenmill.core.model_runner import ModelRunner
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.errors import InvalidParameterError
 from tokenmill.frontend.processor import InputProcessor
+from tokenmill.hardware import pick_device, resolve_dtype
 from tokenmill.kernels import choose_kernels
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.loader import load_model, model_name_for
-from tokenmill.platform import pick_device, resolve_dtype
-from tokenmill.sampling_params import InvalidParameterError
 from tokenmill.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("tokenmill")

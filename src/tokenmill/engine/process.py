@@ -36,8 +36,8 @@ from multiprocessing.connection import Connection
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_core import EngineCore, StepFailed
+from tokenmill.core.records import FinishReason, SchedulerStats
 from tokenmill.core.types import EngineCoreOutputs
-from tokenmill.metrics.records import FinishReason, SchedulerStats
 
 logger = logging.getLogger("tokenmill")
 
@@ -189,7 +189,7 @@ def start_engine_process(config: EngineConfig, log_level: int = logging.INFO
 
 
 def _engine_process_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
-    from tokenmill.frontend.builder import build_engine
+    from tokenmill.engine.builder import build_engine
 
     # The server coordinates shutdown; a terminal's Ctrl-C reaches the whole group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
