@@ -40,7 +40,7 @@ from report_file import write_report  # noqa: E402  (sibling module)
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.hardware import DTYPE_CHOICES, pick_device, resolve_dtype  # noqa: E402
-from tokenmill.models.loader import default_model_path, model_name_for  # noqa: E402
+from tokenmill.model_source import default_model_path, model_name_for  # noqa: E402
 
 WARMUP_TOKENS = 4
 

@@ -1,21 +1,46 @@
-"""Engine settings, validated once at start-up.
+"""Engine and server settings: frozen records, validated once when they are built.
 
-Every option has the CLI's name in snake_case (``--max-num-seqs`` -> ``max_num_seqs``),
-so ``LLM(**options)``, ``tokenmill serve --...`` and ``EngineConfig(...)`` agree.
+Every setting is a dataclass field whose ``metadata`` holds its help text (``option``),
+and the CLI builds its flags from those fields alone (``tokenmill.options``): a field's
+name in snake_case is its flag (``max_num_seqs`` -> ``--max-num-seqs``), so
+``LLM(**options)``, ``tokenmill serve --...`` and ``EngineConfig(...)`` agree, and a new
+setting needs one line here and nothing in the CLI.
+
+- ``EngineConfig``: what the engine process builds and how it schedules;
+- ``RequestLimits``: the server's caps on what one request may ask for;
+- ``ServerConfig``: the HTTP side (address, API keys, limits, stats and page options).
+
+All three pickle as they are (a Ray replica receives them so). Standard library only.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
 from tokenmill.errors import InvalidParameterError
+from tokenmill.sampling_params import SamplingParams
 
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_CHOICES = ("none", "int8", "int4", "w4a8")
 KERNEL_CHOICES = ("auto", "native", "torch")
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
                "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+def option(default: Any = MISSING, help: str = "", *, choices: tuple[str, ...] | None = None,
+           flag: str | None = None, parse: Any = None, cli: bool = True,
+           default_factory: Any = MISSING) -> Any:
+    """A dataclass field that is also a command-line option.
+
+    ``help`` is the option's help text; ``choices`` its allowed values; ``flag`` its name
+    when that is not the field's (``--api-key`` fills ``api_keys``); ``parse`` turns the
+    flag's text into the field's value (``parse_size``); ``cli=False`` keeps it off the
+    command line."""
+    metadata = {"help": help, "choices": choices, "flag": flag, "parse": parse, "cli": cli}
+    return field(default=default, default_factory=default_factory, metadata=metadata)
 
 
 def parse_size(text: str | int, param: str = "kv_cache_memory") -> int:
@@ -28,60 +53,68 @@ def parse_size(text: str | int, param: str = "kv_cache_memory") -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
-@dataclass(slots=True)
+def _positive(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidParameterError(f"{name} must be a positive integer, got {value!r}", name)
+
+
+def _one_of(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise InvalidParameterError(
+            f"unknown {name} {value!r} (choose one of: {', '.join(choices)})", name)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str | None = None  # HF folder or GGUF file; None: the embedded SmolLM2
-    dtype: str = "auto"
-    quantization: str = "none"  # "none", "int8", "int4" or "w4a8"
-    device: str = "auto"
-    num_threads: int | None = None  # compute threads; None: PyTorch's default (every core)
-    kernels: str = "auto"  # "native" (CPU), "torch", or "auto": native where they build
-    max_model_len: int | None = None  # None: the model's context length, capped at 8192
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # overrides kv_cache_memory
-    kv_cache_memory: str | int = "1GiB"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 256
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    seed: int = 0
-    max_num_queued_requests: int | None = None
-    max_num_queued_tokens: int | None = None
-    speculative_ngram: int = 0  # K: draft up to K tokens per step by prompt lookup; 0: off
-    ngram_min: int = 2  # shortest suffix a lookup may match
-    ngram_max: int = 4  # longest suffix a lookup tries first
-    speculative_disable_by_batch_size: int = 4  # no drafts while more requests run
+    model: str | None = option(
+        None, "HF folder or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    dtype: str = option("auto", "auto (bfloat16 where the CPU or GPU computes it natively, "
+                        "else float32), float32, bfloat16 or float16", choices=DTYPE_CHOICES)
+    quantization: str = option(
+        "none", "none; int8 or int4 (GGUF Q4_1's layout): quantized weights, activations in "
+        "the dtype; w4a8: int4 weights times int8 activations (CPU)",
+        choices=QUANTIZATION_CHOICES)
+    device: str = option("auto", "auto (CUDA when present), cpu or cuda[:N]")
+    num_threads: int | None = option(None, "the engine's compute threads (default: every core)")
+    kernels: str = option(
+        "auto", "auto (the native CPU kernels, compiled for this CPU on first use, where they "
+        "build: linear layers, attention, norms, rotary, SiLU and sampling), native, or torch "
+        "(PyTorch's own)", choices=KERNEL_CHOICES)
+    max_model_len: int | None = option(
+        None, "longest prompt + output in tokens (default: the model's, at most 8192)")
+    block_size: int = option(16, "tokens per KV-cache block")
+    num_kv_blocks: int | None = option(None, "KV-cache blocks (overrides --kv-cache-memory)")
+    kv_cache_memory: str | int = option("1GiB", "memory for the KV cache, e.g. 1GiB")
+    max_num_seqs: int = option(64, "most requests in one step")
+    max_num_batched_tokens: int = option(256, "token budget of one step")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of a cached prompt prefix")
+    enable_chunked_prefill: bool = option(
+        True, "split long prompts over steps, beside the running decodes")
+    seed: int = option(0, "seed of the default random generator")
+    max_num_queued_requests: int | None = option(
+        None, "answer 503 beyond this many waiting requests (default: no cap)")
+    max_num_queued_tokens: int | None = option(
+        None, "answer 503 beyond this many waiting prompt tokens (default: no cap)")
+    speculative_ngram: int = option(
+        0, "speculative decoding: draft up to K tokens per step by looking the last tokens up "
+        "in the prompt and output (0: off)")
+    ngram_min: int = option(2, "shortest run of last tokens a draft lookup may match")
+    ngram_max: int = option(4, "longest run of last tokens a draft lookup tries first")
+    speculative_disable_by_batch_size: int = option(
+        4, "no drafts in a step while more than this many requests run")
 
     def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        def positive(name: str, value: int | None, allow_none: bool = False) -> None:
-            if value is None and allow_none:
-                return
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidParameterError(f"{name} must be a positive integer, got {value!r}",
-                                            name)
-
-        positive("block_size", self.block_size)
-        positive("max_num_seqs", self.max_num_seqs)
-        positive("max_num_batched_tokens", self.max_num_batched_tokens)
-        positive("max_model_len", self.max_model_len, allow_none=True)
-        positive("num_threads", self.num_threads, allow_none=True)
-        positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
-        positive("max_num_queued_requests", self.max_num_queued_requests, allow_none=True)
-        positive("max_num_queued_tokens", self.max_num_queued_tokens, allow_none=True)
-        if self.quantization not in QUANTIZATION_CHOICES:
-            raise InvalidParameterError(
-                f"unknown quantization {self.quantization!r} (choose one of: "
-                f"{', '.join(QUANTIZATION_CHOICES)})", "quantization")
-        if self.kernels not in KERNEL_CHOICES:
-            raise InvalidParameterError(
-                f"unknown kernels {self.kernels!r} (choose one of: "
-                f"{', '.join(KERNEL_CHOICES)})", "kernels")
-        positive("speculative_disable_by_batch_size", self.speculative_disable_by_batch_size)
-        positive("ngram_min", self.ngram_min)
-        positive("ngram_max", self.ngram_max)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "ngram_min",
+                     "ngram_max", "speculative_disable_by_batch_size"):
+            _positive(name, getattr(self, name))
+        for name in ("max_model_len", "num_threads", "num_kv_blocks",
+                     "max_num_queued_requests", "max_num_queued_tokens"):
+            _positive(name, getattr(self, name), allow_none=True)
+        _one_of("dtype", self.dtype, DTYPE_CHOICES)
+        _one_of("quantization", self.quantization, QUANTIZATION_CHOICES)
+        _one_of("kernels", self.kernels, KERNEL_CHOICES)
         if (not isinstance(self.speculative_ngram, int) or isinstance(self.speculative_ngram, bool)
                 or self.speculative_ngram < 0):
             raise InvalidParameterError(
@@ -105,3 +138,92 @@ class EngineConfig:
     @property
     def kv_cache_memory_bytes(self) -> int:
         return parse_size(self.kv_cache_memory)
+
+
+def _parse_body_size(text: str) -> int:
+    return parse_size(text, "max_request_body_size")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """The server's caps on what one request may ask for. Exceeding one is a 400 naming the
+    field (a 413 for the body size), raised before the request is tokenised or reaches the
+    engine."""
+
+    max_request_body_bytes: int = option(
+        8 << 20, "largest request body, e.g. 8MiB (413 beyond it)",
+        flag="max-request-body-size", parse=_parse_body_size)
+    max_n: int = option(128, "most choices (n) per request")
+    max_prompts_per_request: int = option(256, "most prompts in one completions request")
+    max_logprobs: int = option(20, "most top logprobs per token (logprobs, top_logprobs)")
+    max_stop_strings: int = option(16, "most stop strings, and most stop_token_ids, per request")
+    max_stop_string_length: int = option(256, "most characters in one stop string")
+    max_request_id_length: int = option(256, "most characters in an x-request-id header")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _positive(f.name, getattr(self, f.name))
+
+    def check_num_prompts(self, num_prompts: int) -> None:
+        _cap(num_prompts, self.max_prompts_per_request, "prompts per request", "prompt")
+
+    def check_params(self, params: SamplingParams, logprobs_param: str = "logprobs") -> None:
+        _cap(params.n, self.max_n, "n", "n")
+        if params.logprobs is not None:
+            _cap(params.logprobs, self.max_logprobs, logprobs_param, logprobs_param)
+        _cap(len(params.stop), self.max_stop_strings, "stop strings", "stop")
+        _cap(len(params.stop_token_ids), self.max_stop_strings, "stop_token_ids",
+             "stop_token_ids")
+        for stop in params.stop:
+            _cap(len(stop), self.max_stop_string_length, "characters in a stop string", "stop")
+
+    def check_request_id(self, request_id: str) -> None:
+        _cap(len(request_id), self.max_request_id_length, "characters in x-request-id",
+             "x-request-id")
+
+
+def _cap(value: int, limit: int, what: str, param: str) -> None:
+    if value > limit:
+        raise InvalidParameterError(f"at most {limit} {what} allowed; got {value}", param)
+
+
+API_KEY_ENV = "TOKENMILL_API_KEY"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port to listen on")
+    served_model_name: str | None = option(
+        None, "the model's name in the API and the metrics (default: the model's own)")
+    api_keys: tuple[str, ...] = option(
+        (), "require 'Authorization: Bearer KEY' on /v1/*; repeat to accept several keys "
+        f"(default: ${API_KEY_ENV}, if set)", flag="api-key")
+    shutdown_timeout: float = option(
+        30.0, "seconds requests in flight get to finish after SIGTERM")
+    limits: RequestLimits = option(default_factory=RequestLimits, cli=False)
+    default_continuous_usage_stats: bool = option(
+        False, "streams without stream_options get usage on every chunk")
+    metrics_vllm_names: bool = option(False, "also export metrics under vLLM's names")
+    log_stats_interval: float = option(10.0, "seconds between the summary lines in the log")
+    disable_log_stats: bool = option(
+        False, "no summary lines, no engine or request stats in /metrics or the dashboard")
+    ui_show_text: bool = option(
+        False, "let /v1/requests/recent and the dashboard show prompts and outputs")
+
+    def __post_init__(self) -> None:
+        if any(not isinstance(key, str) or not key.strip() for key in self.api_keys):
+            raise InvalidParameterError("an API key must not be empty", "api_key")
+        if not 0 <= self.port < 65536:
+            raise InvalidParameterError(f"port must be in 0..65535, got {self.port}", "port")
+        if self.shutdown_timeout < 0:
+            raise InvalidParameterError("shutdown_timeout must not be negative",
+                                        "shutdown_timeout")
+        if self.log_stats_interval <= 0:
+            raise InvalidParameterError("log_stats_interval must be positive",
+                                        "log_stats_interval")
+
+    @property
+    def stats(self) -> bool:
+        """Whether the server keeps stats (metrics, log lines, the dashboard's history)."""
+        return not self.disable_log_stats

@@ -16,13 +16,10 @@ from paged_runner import PagedRunner
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from tokenmill.errors import ModelLoadError
+from tokenmill.model_source import default_model_path, model_name_for
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.loader import (
-    ModelLoadError,
-    default_model_path,
-    load_model,
-    model_name_for,
-)
+from tokenmill.models.loader import load_model
 from tokenmill.models.registry import resolve_model_class
 
 CPU = torch.device("cpu")

@@ -8,6 +8,7 @@ import pytest
 from tokenmill.core.records import (
     FinishReason,
     IterationStats,
+    RequestCounters,
     RequestEvent,
     RequestEventType,
     SchedulerStats,
@@ -46,8 +47,8 @@ def test_timeline_phases_of_a_preempted_request() -> None:
                           ("prefilling", 3.0, 3.5), ("decoding", 3.5, 4.0)]
     assert tl.status() == "finished" and tl.end == 4.0 and tl.num_preemptions == 1
     stats = compute_request_stats(PREEMPTED_ONCE, num_prompt_tokens=3, num_cached_tokens=0,
-                                  num_recomputed_tokens=4, num_preemptions=1,
-                                  model_forward_time=0.0)
+                                  counters=RequestCounters(num_preemptions=1,
+                                                           num_recomputed_tokens=4))
     assert tl.time_to_first_token == pytest.approx(stats.time_to_first_token)
 
 
@@ -128,8 +129,7 @@ def test_history_latency_percentiles_over_the_window() -> None:
     clock = Clock(0.0)
     history = EngineHistory(window_s=60, clock=clock)
     base = compute_request_stats(PREEMPTED_ONCE, num_prompt_tokens=3, num_cached_tokens=0,
-                                 num_recomputed_tokens=0, num_preemptions=1,
-                                 model_forward_time=0.0)
+                                 counters=RequestCounters(num_preemptions=1))
     history.record_finished(base)
     latency = history.latency_percentiles()
     assert latency["ttft"] == {"p50": pytest.approx(1.1), "p90": pytest.approx(1.1),

@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenmill.core.records import (
     FinishReason,
     IterationStats,
+    RequestCounters,
     RequestEvent,
     RequestEventType,
     SchedulerStats,
@@ -64,9 +65,7 @@ def finished_stats(reason=FinishReason.STOP):
         events,
         num_prompt_tokens=7,
         num_cached_tokens=0,
-        num_recomputed_tokens=0,
-        num_preemptions=2,
-        model_forward_time=0.1,
+        counters=RequestCounters(num_preemptions=2, model_forward_time=0.1),
     )
 
 
@@ -185,9 +184,7 @@ def test_abort_before_scheduling_counts_but_observes_only_what_happened():
         events,
         num_prompt_tokens=5,
         num_cached_tokens=0,
-        num_recomputed_tokens=0,
-        num_preemptions=0,
-        model_forward_time=0.0,
+        counters=RequestCounters(),
     )
     m = PrometheusMetrics(MODEL)
     m.record_finished(aborted)

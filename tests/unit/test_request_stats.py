@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tokenmill.core.records import FinishReason, RequestEvent, RequestEventType
+from tokenmill.core.records import FinishReason, RequestCounters, RequestEvent, RequestEventType
 from tokenmill.metrics.stats import RequestStats, compute_request_stats
 
 E = RequestEventType
@@ -16,16 +16,11 @@ def ev(kind: RequestEventType, ts: float, num_tokens: int = 0, reason=None) -> R
     return RequestEvent(kind, ts, num_tokens=num_tokens, finish_reason=reason)
 
 
-def stats(events, **overrides) -> RequestStats:
-    counts = dict(
-        num_prompt_tokens=7,
-        num_cached_tokens=0,
-        num_recomputed_tokens=0,
-        num_preemptions=0,
-        model_forward_time=0.0,
-    )
-    counts.update(overrides)
-    return compute_request_stats(events, **counts)
+def stats(events, num_prompt_tokens: int = 7, num_cached_tokens: int = 0,
+          **counters) -> RequestStats:
+    return compute_request_stats(events, num_prompt_tokens=num_prompt_tokens,
+                                 num_cached_tokens=num_cached_tokens,
+                                 counters=RequestCounters(**counters))
 
 
 def token_step(ts: float, k: int, emit_delay: float = 0.01) -> list[RequestEvent]:

@@ -111,8 +111,8 @@ def test_preemption_recomputes_and_never_restreams(prefix_caching: bool) -> None
     assert preemptions > 0
     for r in reqs:
         assert tokens[r.req_id] == expected_continuation(list(r.prompt_token_ids), 14)
-    assert sum(o.num_preemptions for o in finished.values()) == preemptions
-    assert any(o.num_recomputed_tokens > 0 for o in finished.values())
+    assert sum(o.counters.num_preemptions for o in finished.values()) == preemptions
+    assert any(o.counters.num_recomputed_tokens > 0 for o in finished.values())
 
 
 def test_preempted_request_returns_to_front_of_queue() -> None:

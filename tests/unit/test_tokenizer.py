@@ -12,7 +12,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from tokenmill.errors import InvalidParameterError
-from tokenmill.models.loader import default_model_path
+from tokenmill.model_source import default_model_path
 from tokenmill.tokenizer.gguf_vocab import build_byte_level_bpe, read_gguf_metadata
 from tokenmill.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
@@ -24,6 +24,10 @@ SAMPLES = [
     "def f(x):\n    return x ** 2  # comment\n",
     "<|im_start|>user\nhi<|im_end|>",
 ]
+
+
+def token_strings(tok: Tokenizer, ids: list[int]) -> list[str]:
+    return [tok.backend.id_to_token(i) for i in ids]
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +43,7 @@ def smol_metadata() -> dict:
 def test_embedded_tokenizer_basics(smol: Tokenizer) -> None:
     assert smol.vocab_size == 49152
     assert smol.eos_token_ids == frozenset({2})
-    assert smol.bos_token_id == 1
-    assert smol.convert_ids_to_tokens([0, 1, 2]) == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert token_strings(smol, [0, 1, 2]) == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     assert smol.encode("Hello world") == [19556, 905]
     assert load_tokenizer(None) is smol  # loaded once per process
 
@@ -49,7 +52,7 @@ def test_gguf_tokenizer_splits_like_the_smollm_pretokenizer(smol, smol_metadata)
     # The original tokenizer splits digits individually before the GPT-2 byte-level split,
     # so a run of spaces before a digit stays one token ("ĠĠ"); the plain GPT-2 split
     # (what transformers' GGUF conversion uses) would give "Ġ", "Ġ".
-    assert smol.convert_ids_to_tokens(smol.encode("  2")) == ["ĠĠ", "2"]
+    assert token_strings(smol, smol.encode("  2")) == ["ĠĠ", "2"]
     reference = RustTokenizer(models.BPE(
         vocab={t: i for i, t in enumerate(smol_metadata["tokenizer.ggml.tokens"])},
         merges=[tuple(m.split(" ")) for m in smol_metadata["tokenizer.ggml.merges"]]))
@@ -218,3 +221,43 @@ def test_metadata_reader_and_transformers_fallback(tmp_path, smol_metadata) -> N
     assert tok.eos_token_ids == frozenset({0, 2})  # EOS plus end-of-turn
     assert tok.encode("Hello world, how are you?") == build_byte_level_bpe(
         smol_metadata).encode("Hello world, how are you?").ids
+
+
+TEMPLATES = {
+    "bos and loop controls": (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'skip' %}{% continue %}"
+        "{% endif %}<{{ m['role'] }}>{{ m['content'] | trim }}{{ eos_token }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"),
+    "namespace, tojson and tools": (
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+        "{{ m | tojson }}{% endfor %}{{ ns.n }}{% if tools %}{{ tools | tojson(indent=2) }}"
+        "{% endif %}"),
+    "generation blocks": (
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}"
+        "{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}"
+        "{% endfor %}"),
+}
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_chat_templates_render_as_transformers_renders_them(tmp_path, name) -> None:
+    hf = _write_tiny_hf_folder(tmp_path, chat_template_in_config=False)
+    (tmp_path / "chat_template.jinja").write_text(TEMPLATES[name])
+    hf.chat_template = TEMPLATES[name]
+    tok = load_tokenizer(str(tmp_path))
+    messages = [{"role": "system", "content": "  Sé brief ✓ "}, {"role": "skip", "content": "x"},
+                {"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"}]
+    for add_generation_prompt in (True, False):
+        assert tok.render_chat(messages, add_generation_prompt) == hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def test_embedded_chat_template_renders_as_transformers_renders_it(smol: Tokenizer) -> None:
+    hf = PreTrainedTokenizerFast(tokenizer_object=smol.backend, bos_token="<|im_start|>",
+                                 eos_token="<|im_end|>", chat_template=smol.chat_template)
+    for messages in ([{"role": "user", "content": "Hi"}],
+                     [{"role": "system", "content": "Be terse."},
+                      {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hey"},
+                      {"role": "user", "content": "Bye"}]):
+        assert smol.render_chat(messages) == hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True)

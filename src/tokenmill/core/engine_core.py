@@ -13,7 +13,7 @@ from typing import Protocol
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache.manager import KVCacheManager
-from tokenmill.core.records import FinishReason, IterationStats
+from tokenmill.core.records import FinishReason, IterationStats, SchedulerStats
 from tokenmill.core.request import EngineCoreRequest, Request
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.types import (
@@ -64,6 +64,14 @@ class EngineCore:
         """Finish the requests now (blocks freed); their outputs go out with the next step."""
         for request in self.scheduler.finish_requests(req_ids, reason):
             self._pending.append(self.scheduler.make_output(request, ()))
+
+    def abort_all(self, reason: FinishReason) -> None:
+        """``abort_requests`` for every request the core holds."""
+        self.abort_requests(list(self.scheduler.requests), reason)
+
+    def scheduler_stats(self) -> SchedulerStats:
+        """The scheduler's gauges now."""
+        return self.scheduler.make_stats()
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending)

@@ -50,16 +50,28 @@ class RequestEvent:
     finish_reason: FinishReason | None = None  # FINISHED only
 
 
+@dataclass(slots=True)
+class RequestCounters:
+    """One request's lifetime counters: the scheduler adds to them as the request runs,
+    and a copy goes out with its final output (``EngineCoreOutput.counters``)."""
+
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0  # tokens computed again after preemptions
+    model_forward_time: float = 0.0  # seconds of the steps it took part in
+    num_draft_tokens: int = 0  # speculative drafts verified
+    num_accepted_tokens: int = 0  # of which accepted
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerStats:
-    """The scheduler's state after one step (gauges)."""
+    """The scheduler's state after one step (gauges); ``SchedulerStats()`` is an idle one."""
 
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # used blocks / total blocks, 0..1
-    kv_cache_tokens_used: int  # used blocks * block size
-    num_tokens_waiting: int  # tokens waiting requests must compute, less expected cache hits
-    num_tokens_waiting_raw: int  # the same without the cache deduction
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # used blocks / total blocks, 0..1
+    kv_cache_tokens_used: int = 0  # used blocks * block size
+    num_tokens_waiting: int = 0  # tokens waiting requests must compute, less expected cache hits
+    num_tokens_waiting_raw: int = 0  # the same without the cache deduction
 
 
 @dataclass(frozen=True, slots=True)

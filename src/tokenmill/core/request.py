@@ -20,7 +20,7 @@ import enum
 import time
 from dataclasses import dataclass
 
-from tokenmill.core.records import FinishReason, RequestEvent, RequestEventType
+from tokenmill.core.records import FinishReason, RequestCounters, RequestEvent, RequestEventType
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -66,11 +66,7 @@ class Request:
         self.queued_tokens = 0
         # Lifetime counters reported with the finished request.
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first schedule
-        self.num_preemptions = 0
-        self.num_recomputed_tokens = 0
-        self.model_forward_time = 0.0
-        self.num_draft_tokens = 0  # speculative drafts verified
-        self.num_accepted_tokens = 0  # of which accepted
+        self.counters = RequestCounters()
         self.is_prefilling = False  # between SCHEDULED and the step that commits a token
         self.has_been_scheduled = False
         self.events: list[RequestEvent] = []  # drained into each step's outputs

@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache.manager import KVCacheManager
@@ -176,7 +176,7 @@ class Scheduler:
 
     def _count_cache_query(self, request: Request, num_cached: int) -> None:
         if request.has_been_scheduled:  # back from a preemption
-            request.num_recomputed_tokens += request.num_tokens - num_cached
+            request.counters.num_recomputed_tokens += request.num_tokens - num_cached
         else:
             request.num_cached_tokens = num_cached
         if self.kv.enable_prefix_caching:
@@ -208,7 +208,7 @@ class Scheduler:
             self._end_prefill(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
+        request.counters.num_preemptions += 1
         self.num_preemptions_in_step += 1
         request.record(RequestEventType.PREEMPTED)
         self._enqueue(request, front=True)
@@ -246,7 +246,7 @@ class Scheduler:
                 continue
             num_drafts = len(item.draft_token_ids)
             request.num_computed_tokens += len(item.token_ids) - num_drafts
-            request.model_forward_time += runner_output.forward_time
+            request.counters.model_forward_time += runner_output.forward_time
             self.kv.cache_computed_blocks(request)
             token_ids = runner_output.sampled.get(item.req_id)
             if not token_ids:
@@ -263,8 +263,8 @@ class Scheduler:
                        result: StepResult) -> None:
         """Count a verification; keep the accepted drafts' KV and free what only held
         rejected ones (nothing to do for a request that finished)."""
-        request.num_draft_tokens += num_drafts
-        request.num_accepted_tokens += num_accepted
+        request.counters.num_draft_tokens += num_drafts
+        request.counters.num_accepted_tokens += num_accepted
         result.num_drafts += 1
         result.num_draft_tokens += num_drafts
         result.num_accepted_tokens += num_accepted
@@ -309,11 +309,7 @@ class Scheduler:
             events=request.take_events(),
             finish_reason=request.finish_reason,
             num_cached_tokens=request.num_cached_tokens,
-            num_preemptions=request.num_preemptions if finished else 0,
-            num_recomputed_tokens=request.num_recomputed_tokens if finished else 0,
-            model_forward_time=request.model_forward_time if finished else 0.0,
-            num_draft_tokens=request.num_draft_tokens if finished else 0,
-            num_accepted_tokens=request.num_accepted_tokens if finished else 0,
+            counters=replace(request.counters) if finished else None,
         )
 
     # ---------------------------------------------------------------- finish

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from tokenmill.core.records import (
     FinishReason,
     IterationStats,
+    RequestCounters,
     RequestEvent,
     SchedulerStats,
 )
@@ -86,12 +87,7 @@ class EngineCoreOutput:
     events: tuple[RequestEvent, ...]
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
-    # Set when finished:
-    num_preemptions: int = 0
-    num_recomputed_tokens: int = 0
-    model_forward_time: float = 0.0
-    num_draft_tokens: int = 0  # speculative drafts proposed for it, over its lifetime
-    num_accepted_tokens: int = 0  # of which accepted
+    counters: RequestCounters | None = None  # its lifetime counters, once finished
 
     @property
     def finished(self) -> bool:

@@ -1,5 +1,5 @@
-"""Assemble a ready engine from an ``EngineConfig``: model, tokenizer, KV cache size,
-model runner, engine core and input processor."""
+"""Assemble a ready engine from an ``EngineConfig``: model, KV cache size, model runner and
+engine core. (The tokenizer is not the engine's: whoever tokenises loads it.)"""
 
 from __future__ import annotations
 
@@ -10,31 +10,25 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_core import EngineCore
+from tokenmill.engine.messages import EngineInfo
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.errors import InvalidParameterError
-from tokenmill.frontend.processor import InputProcessor
 from tokenmill.hardware import pick_device, resolve_dtype
 from tokenmill.kernels import choose_kernels
+from tokenmill.model_source import model_name_for
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.loader import load_model, model_name_for
-from tokenmill.tokenizer.tokenizer import Tokenizer, load_tokenizer
+from tokenmill.models.loader import load_model
 
 logger = logging.getLogger("tokenmill")
 
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Engine:
-    config: EngineConfig
     core: EngineCore
-    tokenizer: Tokenizer
-    processor: InputProcessor
     model_config: ModelConfig
-    model_name: str
-    max_model_len: int
-    device: torch.device
-    dtype: torch.dtype
+    info: EngineInfo  # what a client of the engine needs to know (model name, sizes)
 
 
 def build_engine(config: EngineConfig) -> Engine:
@@ -46,20 +40,18 @@ def build_engine(config: EngineConfig) -> Engine:
     dtype = resolve_dtype(config.dtype, device, config.quantization)
     model, model_config = load_model(config.model, dtype, device, config.quantization,
                                      choose_kernels(config.kernels, device))
-    tokenizer = load_tokenizer(config.model)
     max_model_len = _max_model_len(config, model_config)
     num_blocks = _num_kv_blocks(config, model_config, dtype, max_model_len)
     runner = ModelRunner(model, device, dtype, num_blocks, config.block_size, seed=config.seed)
     core = EngineCore(config, runner, num_blocks, max_model_len)
-    vocab_size = min(model_config.vocab_size, tokenizer.vocab_size)
-    processor = InputProcessor(tokenizer, max_model_len, vocab_size)
     logger.info("model %s on %s (%s, quantization %s, kernels %s): %d KV blocks of %d "
                 "tokens, max_model_len %d", model_name_for(config.model), device,
                 str(dtype).removeprefix("torch."), config.quantization,
                 "native" if model.native_ops else "torch", num_blocks,
                 config.block_size, max_model_len)
-    return Engine(config, core, tokenizer, processor, model_config, model_name_for(config.model),
-                  max_model_len, device, dtype)
+    info = EngineInfo(model_name_for(config.model), max_model_len, model_config.vocab_size,
+                      num_blocks * config.block_size)
+    return Engine(core, model_config, info)
 
 
 def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

@@ -1,11 +1,14 @@
-"""The engine core's step loop, on the far end of a pipe: in its own process (the server) or
-on a thread (tests that drive a core they built).
+"""The engine process: its entry point, and the core's step loop at the far end of a pipe.
 
-    server process (event loop)                      engine process
-    ---------------------------                      --------------
+    HTTP process (event loop)                        engine process
+    -------------------------                        --------------
     AsyncEngine --EngineCoreRequest / Abort / None-->  reader thread -> inbox
-                <----------- StepResult -----------   run_engine_loop: drain inbox,
+                <------- QueueState, StepReport ----   run_engine_loop: drain inbox,
                                                       core.step(), publish
+
+(the records: ``messages``). ``start_engine_process`` is what the HTTP side calls; it
+spawns a fresh interpreter whose entry (``_engine_process_main``) is the first code to
+import the builder, and with it torch and the kernels: this module imports neither.
 
 Why a process: the step loop runs Python between its kernels, and the server's event
 loop (HTTP, JSON, SSE, detokenisation) is Python too. Sharing one interpreter, each waits
@@ -15,7 +18,7 @@ own process the step loop never waits for the server's Python.
 
 Invariants: ``None`` on the pipe stops the loop, which then closes its end (the reader
 of results sees ``EOFError``). Each step sends a ``QueueState`` as soon as it has
-scheduled, then its ``StepResult``. A ``QueueState`` says how many requests (and prompt
+scheduled, then its ``StepReport``. A ``QueueState`` says how many requests (and prompt
 tokens) the core took from the inbox since the previous one and the scheduler's gauges
 now, so the sender's admission control counts the queue as the core sees it, and its
 gauges (and a Ray replica's reported token load) show a step's new requests and KV
@@ -31,49 +34,17 @@ import multiprocessing
 import queue
 import signal
 import threading
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_core import EngineCore, StepFailed
-from tokenmill.core.records import FinishReason, SchedulerStats
+from tokenmill.core.records import FinishReason
 from tokenmill.core.types import EngineCoreOutputs
+from tokenmill.engine.messages import Abort, EngineInfo, QueueState, StepReport
 
 logger = logging.getLogger("tokenmill")
 
 STARTUP_TIMEOUT_S = 600.0
-
-
-@dataclass(frozen=True, slots=True)
-class Abort:
-    req_ids: list[str]
-    reason: FinishReason
-
-
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    outputs: EngineCoreOutputs
-    error: str | None  # why the requests that ended with finish reason "error" did
-    failed: bool | None  # the step failed; None: no step ran (the idle publication)
-
-
-@dataclass(frozen=True, slots=True)
-class QueueState:
-    """The scheduler's gauges once a step has scheduled (sent before its forward pass)."""
-
-    taken_requests: int  # requests the core took from the inbox since the last QueueState
-    taken_tokens: int  # their prompt tokens
-    stats: SchedulerStats
-
-
-@dataclass(frozen=True, slots=True)
-class EngineInfo:
-    """What the server needs to know about the engine it did not build itself."""
-
-    model_name: str
-    max_model_len: int
-    vocab_size: int  # token ids the processor accepts: min(model's, tokenizer's)
-    num_kv_blocks: int
 
 
 class _Inbox:
@@ -99,7 +70,7 @@ class _Inbox:
 
 def run_engine_loop(core: EngineCore, conn: Connection) -> None:
     """Step ``core`` for the requests arriving on ``conn`` until ``None`` arrives; publish
-    a ``StepResult`` per step. A failed step fails only its requests (``StepFailed``); any
+    a ``StepReport`` per step. A failed step fails only its requests (``StepFailed``); any
     other exception leaves the core's state in doubt, so every request in flight ends
     with an error. Either way the loop goes on."""
     inbox = _Inbox(conn)
@@ -108,11 +79,11 @@ def run_engine_loop(core: EngineCore, conn: Connection) -> None:
 
     def publish(outputs: EngineCoreOutputs, error: str | None = None,
                 idle: bool = False) -> None:
-        conn.send(StepResult(outputs, error, None if idle else error is not None))
+        conn.send(StepReport(outputs, error, None if idle else error is not None))
 
     def publish_queue() -> None:
         nonlocal taken_requests, taken_tokens
-        conn.send(QueueState(taken_requests, taken_tokens, core.scheduler.make_stats()))
+        conn.send(QueueState(taken_requests, taken_tokens, core.scheduler_stats()))
         taken_requests = taken_tokens = 0
 
     core.on_scheduled = publish_queue
@@ -146,18 +117,10 @@ def run_engine_loop(core: EngineCore, conn: Connection) -> None:
                 publish(failed.outputs, f"engine error: {failed}")
             except Exception as error:  # noqa: BLE001 - the loop must survive to report it
                 logger.exception("engine step failed")
-                core.abort_requests(list(core.scheduler.requests), FinishReason.ERROR)
+                core.abort_all(FinishReason.ERROR)
                 publish(core.step(), f"engine error: {error}")
     finally:
         conn.close()
-
-
-def start_engine_thread(core: EngineCore) -> Connection:
-    """Run ``core``'s loop on a daemon thread of this process; returns the server's end."""
-    server_end, engine_end = multiprocessing.Pipe()
-    threading.Thread(target=run_engine_loop, args=(core, engine_end), name="tokenmill-engine",
-                     daemon=True).start()
-    return server_end
 
 
 def start_engine_process(config: EngineConfig, log_level: int = logging.INFO
@@ -202,6 +165,5 @@ def _engine_process_main(config: EngineConfig, conn: Connection, log_level: int)
         conn.send(ValueError(str(error)))
         conn.close()
         return
-    conn.send(EngineInfo(engine.model_name, engine.max_model_len, engine.processor.vocab_size,
-                         engine.core.kv.pool.num_blocks))
+    conn.send(engine.info)
     run_engine_loop(engine.core, conn)

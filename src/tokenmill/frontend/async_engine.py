@@ -1,5 +1,5 @@
 """The server's engine client: the engine core runs its step loop at the far end of a pipe
-(``engine_loop``: its own process in the server), the server's event loop on this side;
+(``engine.process``: its own process in the server), the server's event loop on this side;
 each API request gets its own asyncio stream of ``ChoiceDelta``s.
 
     event loop thread                  receiver (``run``)           engine loop
@@ -19,22 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
 
-from tokenmill.core.records import (
-    FinishReason,
-    RequestEvent,
-    RequestEventType,
-    SchedulerStats,
-)
+from tokenmill.core.records import FinishReason, SchedulerStats
 from tokenmill.core.request import EngineCoreRequest
 from tokenmill.core.types import EngineCoreOutput
-from tokenmill.engine.process import Abort, QueueState, StepResult
+from tokenmill.engine.messages import Abort, QueueState, StepReport
 from tokenmill.frontend.outputs import ChoiceDelta
 from tokenmill.frontend.request_log import RequestLog
-from tokenmill.frontend.request_state import ChoiceState
+from tokenmill.frontend.request_state import ChoiceState, open_choices
 from tokenmill.metrics.stats import RequestStats
 from tokenmill.tokenizer.tokenizer import Tokenizer
 
@@ -52,23 +46,21 @@ class RequestStream:
 
     def __init__(self, engine: AsyncEngine, choices: list[ChoiceState]) -> None:
         self.engine = engine
-        self.choices = {c.req_id: c for c in choices}
-        self._by_index = choices
+        self.choices = {c.req_id: c for c in choices}  # by engine request id
+        self.choices_in_order = choices  # by the API's choice index
         self._queue: asyncio.Queue[ChoiceDelta] = asyncio.Queue()
         self._num_unfinished = len(choices)
         self.error: str | None = None  # why the engine ended this request, on finish "error"
         self._closed = False  # the reader went away
-        engine._open_streams.add(self)
+        engine.stream_opened(self)
 
     def num_cached_tokens(self, index: int) -> int:
         """Prompt tokens that choice ``index`` found in the prefix cache."""
-        return self._by_index[index].num_cached_tokens
+        return self.choices_in_order[index].num_cached_tokens
 
     def _on_output(self, out: EngineCoreOutput) -> None:
         choice = self.choices[out.req_id]
-        delta = choice.process(out)
-        if choice.take_stop_request():
-            self.engine.abort_choices([out.req_id], FinishReason.STOP)
+        delta = choice.process(out, self._stop_choice)
         if delta is None:
             return
         if self._closed:  # nobody reads any more: finish the accounting here
@@ -77,15 +69,19 @@ class RequestStream:
             return
         self._queue.put_nowait(delta)
 
+    def _stop_choice(self, req_id: str) -> None:
+        """A stop string ended the choice: the core stops computing it."""
+        self.engine.abort_choices([req_id], FinishReason.STOP)
+
     def _finish(self, delta: ChoiceDelta) -> None:
         self._num_unfinished -= 1
-        self.engine.on_choice_finished(self._by_index[delta.index], delta.stats)
+        self.engine.on_choice_finished(self.choices_in_order[delta.index], delta.stats)
 
     async def __aiter__(self) -> AsyncIterator[ChoiceDelta]:
         try:
             while self._num_unfinished:
                 item = await self._queue.get()
-                delta = self._by_index[item.index].mark_emitted(item)
+                delta = self.choices_in_order[item.index].mark_emitted(item)
                 if delta.finished:
                     self._finish(delta)
                 yield delta
@@ -99,13 +95,13 @@ class RequestStream:
         its response started).
         """
         self._closed = True
-        self.engine._open_streams.discard(self)
+        self.engine.stream_closed(self)
         if self._num_unfinished:
             self.abort()
             while not self._queue.empty():  # queued deltas will never be read
                 item = self._queue.get_nowait()
                 if item.finished:
-                    self._finish(self._by_index[item.index].mark_emitted(item))
+                    self._finish(self.choices_in_order[item.index].mark_emitted(item))
 
     def abort(self) -> None:
         """Stop every unfinished choice (client gone); the core frees their blocks next step."""
@@ -131,11 +127,12 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}  # by choice (engine request) id
         self._open_streams: set[RequestStream] = set()  # responses not yet closed
         self.consecutive_failures = 0  # failed steps since the last good one
-        self._queue_stats = SchedulerStats(0, 0, 0.0, 0, 0, 0)  # the core's latest gauges
+        self._queue_stats = SchedulerStats()  # the core's latest gauges
         self._pending_requests = 0  # sent but not yet taken by the core
         self._pending_tokens = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._attached = threading.Event()
+        self.alive = True  # False once the engine loop has ended (or its process died)
 
     # --------------------------------------------------------------- lifecycle
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -168,15 +165,9 @@ class AsyncEngine:
         for r in core_requests:
             if r.req_id in self._streams:
                 raise ValueError(f"request id {r.req_id!r} is already in use")
-        now = time.monotonic()
-        frontend_events = [RequestEvent(RequestEventType.ARRIVED, arrival_ts),
-                           RequestEvent(RequestEventType.INPUT_PROCESSED, now)]
-        choices = [ChoiceState(i, r.req_id, self.tokenizer, list(r.prompt_token_ids),
-                               r.sampling_params, frontend_events)
-                   for i, r in enumerate(core_requests)]
-        stream = RequestStream(self, choices)
+        stream = RequestStream(self, open_choices(core_requests, self.tokenizer, arrival_ts))
         if self.request_log is not None:
-            self.request_log.started(request_id, choices,
+            self.request_log.started(request_id, stream.choices_in_order,
                                      [r.prompt_token_ids for r in core_requests])
         self._pending_requests += len(core_requests)
         self._pending_tokens += sum(len(r.prompt_token_ids) for r in core_requests)
@@ -197,6 +188,12 @@ class AsyncEngine:
         if cap is not None and waiting_tokens + self._pending_tokens + tokens > cap:
             raise AdmissionRejected(f"the server's queue is full ({cap} waiting tokens)",
                                     "max_num_queued_tokens")
+
+    def stream_opened(self, stream: RequestStream) -> None:
+        self._open_streams.add(stream)
+
+    def stream_closed(self, stream: RequestStream) -> None:
+        self._open_streams.discard(stream)
 
     @property
     def num_in_flight(self) -> int:
@@ -221,18 +218,19 @@ class AsyncEngine:
 
     # --------------------------------------------------------------- receiver
     def run(self) -> None:
-        """Hand every ``StepResult`` to the event loop until the engine loop ends; blocks.
+        """Hand every ``StepReport`` to the event loop until the engine loop ends; blocks.
         Starts reading once ``attach`` gave it a loop."""
         self._attached.wait()
         while True:
             try:
                 result = self.conn.recv()
             except (EOFError, OSError):
+                self.alive = False
                 return
             if self._loop is not None:
                 self._loop.call_soon_threadsafe(self._dispatch, result)
 
-    def _dispatch(self, result: StepResult | QueueState) -> None:
+    def _dispatch(self, result: StepReport | QueueState) -> None:
         if isinstance(result, QueueState):
             self._queue_stats = result.stats
             self._pending_requests -= result.taken_requests

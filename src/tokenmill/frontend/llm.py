@@ -12,12 +12,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import fields
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.records import FinishReason, RequestEvent, RequestEventType
+from tokenmill.core.records import FinishReason
 from tokenmill.engine.builder import Engine, build_engine
 from tokenmill.errors import InvalidParameterError
 from tokenmill.frontend.outputs import ChoiceDelta, CompletionOutput, RequestOutput
-from tokenmill.frontend.request_state import ChoiceState
+from tokenmill.frontend.processor import InputProcessor
+from tokenmill.frontend.request_state import ChoiceState, open_choices
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
 Prompt = str | Sequence[int]
 
@@ -31,11 +33,9 @@ class LLM:
                 f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}",
                 unknown[0])
         self.engine: Engine = build_engine(EngineConfig(model=model, **options))
+        self.tokenizer: Tokenizer = load_tokenizer(model)
+        self.processor = InputProcessor(self.tokenizer, self.engine.info)
         self._ids = itertools.count()
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -56,7 +56,7 @@ class LLM:
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
              ) -> RequestOutput:
-        prompt_ids = self.engine.tokenizer.apply_chat_template(messages)
+        prompt_ids = self.tokenizer.apply_chat_template(messages)
         return self.generate([prompt_ids], sampling_params)[0]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
@@ -69,20 +69,20 @@ class LLM:
     def _submit(self, prompt: Prompt, params: SamplingParams
                 ) -> tuple[RequestOutput, list[ChoiceState]]:
         arrival = time.monotonic()
-        processor = self.engine.processor
-        prompt_ids = processor.tokenize(prompt)
+        prompt_ids = self.processor.tokenize(prompt)
         request_id = f"offline-{next(self._ids)}"
-        core_requests = processor.make_core_requests(request_id, prompt_ids, params)
-        frontend_events = [RequestEvent(RequestEventType.ARRIVED, arrival),
-                           RequestEvent(RequestEventType.INPUT_PROCESSED, time.monotonic())]
-        states = [ChoiceState(i, r.req_id, self.engine.tokenizer, prompt_ids, r.sampling_params,
-                              frontend_events) for i, r in enumerate(core_requests)]
+        core_requests = self.processor.make_core_requests(request_id, prompt_ids, params)
+        states = open_choices(core_requests, self.tokenizer, arrival)
         for r in core_requests:
             self.engine.core.add_request(r)
         text = prompt if isinstance(prompt, str) else None
         output = RequestOutput(request_id, text, prompt_ids,
                                [CompletionOutput(i) for i in range(params.n)])
         return output, states
+
+    def _stop_choice(self, req_id: str) -> None:
+        """A stop string ended the choice: the core stops computing it."""
+        self.engine.core.abort_requests([req_id], FinishReason.STOP)
 
     def _run(self, choices: dict[str, tuple[RequestOutput, ChoiceState]]):
         core = self.engine.core
@@ -94,9 +94,7 @@ class LLM:
                         continue
                     request_output, state = choices[out.req_id]
                     request_output.num_cached_tokens = out.num_cached_tokens
-                    delta = state.process(out)
-                    if state.take_stop_request():
-                        core.abort_requests([out.req_id], FinishReason.STOP)
+                    delta = state.process(out, self._stop_choice)
                     if delta is None:
                         continue
                     if delta.finished:

@@ -10,16 +10,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tokenmill.core.request import EngineCoreRequest
+from tokenmill.engine.messages import EngineInfo
 from tokenmill.errors import InvalidParameterError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer.tokenizer import Tokenizer
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int) -> None:
+    """Checks requests against the engine ``info`` describes, with the model's tokenizer.
+
+    Token ids are accepted below ``vocab_size``: the fewer of the model's output rows and
+    the tokenizer's ids."""
+
+    def __init__(self, tokenizer: Tokenizer, info: EngineInfo) -> None:
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
+        self.max_model_len = info.max_model_len
+        self.vocab_size = min(info.vocab_size, tokenizer.vocab_size)
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a text prompt, or a token-id prompt checked against the vocabulary."""

@@ -11,9 +11,11 @@ stop string.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from tokenmill.core.records import FinishReason, RequestEvent, RequestEventType
+from tokenmill.core.records import FinishReason, RequestCounters, RequestEvent, RequestEventType
+from tokenmill.core.request import EngineCoreRequest
 from tokenmill.core.types import EngineCoreOutput
 from tokenmill.frontend.outputs import ChoiceDelta
 from tokenmill.metrics.stats import RequestStats, compute_request_stats
@@ -22,9 +24,20 @@ from tokenmill.tokenizer.detokenizer import IncrementalDetokenizer
 from tokenmill.tokenizer.tokenizer import Tokenizer
 
 
+def open_choices(core_requests: Sequence[EngineCoreRequest], tokenizer: Tokenizer,
+                 arrival_ts: float) -> list[ChoiceState]:
+    """The choices of one API request (one per engine request, in the API's choice order),
+    their lifecycles begun: arrived at ``arrival_ts``, input processed now."""
+    events = [RequestEvent(RequestEventType.ARRIVED, arrival_ts),
+              RequestEvent(RequestEventType.INPUT_PROCESSED, time.monotonic())]
+    return [ChoiceState(i, r.req_id, tokenizer, r.prompt_token_ids, r.sampling_params, events)
+            for i, r in enumerate(core_requests)]
+
+
 class ChoiceState:
-    def __init__(self, index: int, req_id: str, tokenizer: Tokenizer, prompt_token_ids: list[int],
-                 params: SamplingParams, frontend_events: list[RequestEvent]) -> None:
+    def __init__(self, index: int, req_id: str, tokenizer: Tokenizer,
+                 prompt_token_ids: Sequence[int], params: SamplingParams,
+                 frontend_events: list[RequestEvent]) -> None:
         self.index = index
         self.req_id = req_id
         self.params = params
@@ -38,14 +51,16 @@ class ChoiceState:
         self.stop_reason: str | int | None = None
         self.finished = False
         self.final_output: EngineCoreOutput | None = None
-        self._stop_pending = False  # a stop string matched; the core has not been told yet
 
     @property
     def stopped_by_string(self) -> bool:
         return self.detokenizer.stopped
 
-    def process(self, out: EngineCoreOutput) -> ChoiceDelta | None:
-        """The delta for one core output, or None when nothing reaches the client."""
+    def process(self, out: EngineCoreOutput,
+                stop_core: Callable[[str], None]) -> ChoiceDelta | None:
+        """The delta for one core output, or None when nothing reaches the client. When a
+        stop string ends the choice before the core has finished it, ``stop_core(req_id)``
+        is called once, to tell the core."""
         self.events.extend(out.events)
         self.num_cached_tokens = out.num_cached_tokens
         token_ids: tuple[int, ...] = ()
@@ -55,7 +70,8 @@ class ChoiceState:
             self.num_output_tokens += len(token_ids)
             if self.stopped_by_string:
                 self.stop_reason = self.detokenizer.stop_reason
-                self._stop_pending = not out.finished
+                if not out.finished:
+                    stop_core(self.req_id)
         logprobs = out.new_logprobs[:len(token_ids)] if out.new_logprobs and token_ids else None
         if not out.finished:
             if not token_ids:
@@ -86,11 +102,6 @@ class ChoiceState:
                 return new_ids[:count], text
         return new_ids, text
 
-    def take_stop_request(self) -> bool:
-        """True once, when the core must be told to stop this choice (a stop string matched)."""
-        pending, self._stop_pending = self._stop_pending, False
-        return pending
-
     def mark_emitted(self, delta: ChoiceDelta) -> ChoiceDelta:
         """Stamp the hand-over of ``delta`` to the client; the final one gets its stats."""
         now = time.monotonic()
@@ -105,15 +116,9 @@ class ChoiceState:
         final = self.final_output
         events = [_with_reason(e, FinishReason(finish_reason)) for e in self.events]
         return compute_request_stats(
-            events,
-            num_prompt_tokens=self.num_prompt_tokens,
+            events, num_prompt_tokens=self.num_prompt_tokens,
             num_cached_tokens=self.num_cached_tokens,
-            num_recomputed_tokens=final.num_recomputed_tokens if final else 0,
-            num_preemptions=final.num_preemptions if final else 0,
-            model_forward_time=final.model_forward_time if final else 0.0,
-            num_draft_tokens=final.num_draft_tokens if final else 0,
-            num_accepted_tokens=final.num_accepted_tokens if final else 0,
-        )
+            counters=final.counters if final and final.counters else RequestCounters())
 
 
 def _with_reason(event: RequestEvent, reason: FinishReason) -> RequestEvent:

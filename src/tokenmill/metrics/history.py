@@ -28,8 +28,6 @@ from tokenmill.metrics.stats import RequestStats
 PERCENTILES = (50, 90, 99)
 SAMPLE_FIELDS = ("t", "running", "waiting", "tokens_waiting", "kv_cache_usage",
                  "kv_cache_tokens_used", "prompt_tokens", "generation_tokens", "preemptions")
-_IDLE = SchedulerStats(num_running=0, num_waiting=0, kv_cache_usage=0.0,
-                       kv_cache_tokens_used=0, num_tokens_waiting=0, num_tokens_waiting_raw=0)
 
 
 class EngineHistory:
@@ -39,7 +37,7 @@ class EngineHistory:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s = window_s
         self.clock = clock
-        self.latest = _IDLE
+        self.latest = SchedulerStats()
         self.total_preemptions = 0
         self.finished = {reason.value: 0 for reason in FinishReason}
         # closed seconds: [second, last gauges, prompt tokens, generation tokens,

@@ -20,15 +20,6 @@ import time
 
 from tokenmill.core.records import IterationStats, SchedulerStats
 
-_EMPTY = SchedulerStats(
-    num_running=0,
-    num_waiting=0,
-    kv_cache_usage=0.0,
-    kv_cache_tokens_used=0,
-    num_tokens_waiting=0,
-    num_tokens_waiting_raw=0,
-)
-
 
 class StatLogger:
     """Accumulates step records between log lines; not thread-safe (one engine loop)."""
@@ -49,7 +40,7 @@ class StatLogger:
         self.logger = logger
         self.speculative = speculative
         self._last_log_ts = time.monotonic() if start_ts is None else start_ts
-        self._scheduler = _EMPTY
+        self._scheduler = SchedulerStats()
         self._last_line_idle = False
         self._reset_interval()
 

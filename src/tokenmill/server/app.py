@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -14,8 +14,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill import __version__
-from tokenmill.config import EngineConfig
-from tokenmill.engine.process import EngineInfo
+from tokenmill.config import EngineConfig, ServerConfig
+from tokenmill.engine.messages import EngineInfo
 from tokenmill.frontend.async_engine import AsyncEngine
 from tokenmill.frontend.processor import InputProcessor
 from tokenmill.frontend.request_log import RequestLog
@@ -24,7 +24,6 @@ from tokenmill.metrics.log import StatLogger
 from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.server.errors import APIError, error_response, install_error_handlers
 from tokenmill.server.lifecycle import ServerLifecycle
-from tokenmill.server.limits import RequestLimits
 from tokenmill.server.middleware import RequestGate
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
@@ -32,57 +31,59 @@ from tokenmill.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from tokenmill.server.serving import OpenAIServing, ServerOptions
+from tokenmill.server.serving import OpenAIServing
 from tokenmill.server.ui import install_ui
 from tokenmill.tokenizer.tokenizer import load_tokenizer
 
 logger = logging.getLogger("tokenmill")
 
 
-def build_server(args: argparse.Namespace, config: EngineConfig, conn: Connection,
-                 info: EngineInfo, api_keys: tuple[str, ...], limits: RequestLimits,
-                 extra_step_sinks: Sequence = ()) -> tuple[AsyncEngine, FastAPI,
-                                                           ServerLifecycle]:
-    """The engine client, the app and its lifecycle for ``tokenmill serve``'s options, around
-    an engine loop at the far end of ``conn`` (``engine_loop``).
+def build_server(server: ServerConfig, config: EngineConfig, conn: Connection,
+                 info: EngineInfo, extra_step_sinks: Sequence = ()
+                 ) -> tuple[AsyncEngine, FastAPI, ServerLifecycle]:
+    """The engine client, the app and its lifecycle for ``server``'s options, around the
+    engine loop at the far end of ``conn`` (``engine.process``), which ``config`` built
+    and ``info`` describes.
 
     One code path for a single server and for every Ray Serve replica; ``extra_step_sinks``
     also receive each step's ``SchedulerStats`` (a replica reports its token load with them),
     even with ``--disable-log-stats``.
     """
     tokenizer = load_tokenizer(config.model)
-    processor = InputProcessor(tokenizer, info.max_model_len, info.vocab_size)
-    name = args.served_model_name or info.model_name
-    metrics = PrometheusMetrics(name, vllm_names=args.metrics_vllm_names)
-    stats = not args.disable_log_stats
-    stat_logger = StatLogger(name, args.log_stats_interval,
+    processor = InputProcessor(tokenizer, info)
+    server = dataclasses.replace(server,
+                                 served_model_name=server.served_model_name or info.model_name)
+    name = server.served_model_name
+    metrics = PrometheusMetrics(name, vllm_names=server.metrics_vllm_names)
+    stats = server.stats
+    stat_logger = StatLogger(name, server.log_stats_interval,
                              speculative=config.speculative_ngram > 0) if stats else None
     history = EngineHistory() if stats else None
-    request_log = RequestLog(tokenizer, keep_text=args.ui_show_text) if stats else None
+    request_log = RequestLog(tokenizer, keep_text=server.ui_show_text) if stats else None
     step_sinks = [metrics, stat_logger, history] if stats else []
     finished_sinks = [metrics, history] if stats else []
     async_engine = AsyncEngine(conn, tokenizer, [*step_sinks, *extra_step_sinks], finished_sinks,
                                config.max_num_queued_requests, config.max_num_queued_tokens,
                                request_log)
-    options = ServerOptions(name, args.default_continuous_usage_stats, api_keys, limits)
-    lifecycle = ServerLifecycle(async_engine, args.shutdown_timeout)
+    lifecycle = ServerLifecycle(async_engine, server.shutdown_timeout)
     engine_limits = {"max_num_seqs": config.max_num_seqs,
                      "max_num_batched_tokens": config.max_num_batched_tokens,
                      "max_model_len": info.max_model_len,
-                     "kv_cache_tokens_total": info.num_kv_blocks * config.block_size}
-    app = build_app(async_engine, processor, metrics, options, info.max_model_len,
-                    stat_logger, lifecycle, history, engine_limits)
+                     "kv_cache_tokens_total": info.kv_cache_tokens}
+    app = build_app(async_engine, processor, metrics, server, stat_logger, lifecycle, history,
+                    engine_limits)
     return async_engine, app, lifecycle
 
 
 def build_app(engine: AsyncEngine, processor: InputProcessor, metrics: PrometheusMetrics,
-              options: ServerOptions, max_model_len: int,
-              stat_logger: StatLogger | None = None,
+              options: ServerConfig, stat_logger: StatLogger | None = None,
               lifecycle: ServerLifecycle | None = None,
               history: EngineHistory | None = None,
               engine_limits: dict[str, int] | None = None) -> FastAPI:
-    """``history`` (and the engine's request log) feed the dashboard, None when stats are
-    off; ``engine_limits`` are the engine's sizes it shows (``ui.install_ui``)."""
+    """``options.served_model_name`` is set; ``history`` (and the engine's request log)
+    feed the dashboard, None when stats are off; ``engine_limits`` are the engine's sizes
+    it shows (``ui.install_ui``)."""
+    max_model_len = processor.max_model_len
     serving = OpenAIServing(engine, processor, metrics, options)
     lifecycle = lifecycle or ServerLifecycle(engine, shutdown_timeout=0.0)
 
@@ -104,8 +105,14 @@ def build_app(engine: AsyncEngine, processor: InputProcessor, metrics: Prometheu
                        lifecycle=lifecycle)
 
     @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if lifecycle.healthy() else 503)
+    async def health() -> JSONResponse:
+        """200 while the server takes requests; 503 while it drains, and after repeated
+        failed engine steps (an orchestrator should then restart it)."""
+        status = ("ok" if lifecycle.healthy() else
+                  "draining" if lifecycle.draining else "failing")
+        return JSONResponse({"status": status, "model": options.served_model_name,
+                             "engine_alive": engine.alive},
+                            status_code=200 if status == "ok" else 503)
 
     @app.get("/version")
     async def version() -> dict:

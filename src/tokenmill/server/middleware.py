@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tokenmill.config import RequestLimits
 from tokenmill.errors import InvalidParameterError
 from tokenmill.server.errors import error_response
 from tokenmill.server.lifecycle import ServerLifecycle
-from tokenmill.server.limits import RequestLimits
 
 
 class _BodyTooLarge(Exception):

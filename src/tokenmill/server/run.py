@@ -1,6 +1,6 @@
 """``tokenmill serve``: start the engine process, then serve until SIGINT/SIGTERM.
 
-The engine builds the model and steps in its own process (``engine_loop``), which
+The engine builds the model and steps in its own process (``engine.process``), which
 ignores both signals and ends when told to or when this process goes. In this one,
 uvicorn runs its event loop on a second thread and the main thread hands the engine's
 results to it (``AsyncEngine.run``); the server stops when the engine loop ends. A first
@@ -11,27 +11,26 @@ then stops it; a second one stops at once.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import threading
 
 import uvicorn
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.process import start_engine_process
 from tokenmill.frontend.async_engine import AsyncEngine
 from tokenmill.server.app import build_server
-from tokenmill.server.limits import RequestLimits
 
 
-def serve(args: argparse.Namespace, config: EngineConfig, api_keys: tuple[str, ...],
-          limits: RequestLimits) -> int:
-    conn, info, engine_process = start_engine_process(config, logging.getLogger().level)
-    async_engine, app, lifecycle = build_server(args, config, conn, info, api_keys, limits)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level,
-                                           timeout_graceful_shutdown=5))
+def serve(options: ServerConfig, config: EngineConfig) -> int:
+    """Serve until stopped; the exit status (0, or 1 when the server never started).
+    Both processes log at the root logger's level."""
+    log_level = logging.getLogger().level
+    conn, info, engine_process = start_engine_process(config, log_level)
+    async_engine, app, lifecycle = build_server(options, config, conn, info)
+    server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port,
+                                           log_level=log_level, timeout_graceful_shutdown=5))
     http_thread = threading.Thread(target=_serve_http, args=(server, async_engine),
                                    name="tokenmill-http")
 

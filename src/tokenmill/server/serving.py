@@ -21,6 +21,7 @@ from typing import TypeVar
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive
 
+from tokenmill.config import ServerConfig
 from tokenmill.frontend.async_engine import AdmissionRejected, AsyncEngine, RequestStream
 from tokenmill.frontend.outputs import ChoiceDelta
 from tokenmill.frontend.processor import InputProcessor
@@ -28,20 +29,11 @@ from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError, error_body
 from tokenmill.server.formats import ChatFormat, CompletionFormat
-from tokenmill.server.limits import RequestLimits
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, _Common
 
 logger = logging.getLogger("tokenmill")
 
 T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class ServerOptions:
-    served_model_name: str
-    default_continuous_usage_stats: bool = False
-    api_keys: tuple[str, ...] = ()  # any one of them opens /v1/*; none: no key needed
-    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 @dataclass(slots=True)
@@ -79,7 +71,8 @@ class _Job:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, processor: InputProcessor,
-                 metrics: PrometheusMetrics, options: ServerOptions) -> None:
+                 metrics: PrometheusMetrics, options: ServerConfig) -> None:
+        """``options.served_model_name`` must be set (the engine's model name by default)."""
         self.engine = engine
         self.processor = processor
         self.metrics = metrics

@@ -2,91 +2,95 @@
 
 ``load_tokenizer(model_path)`` accepts:
 
-- ``None``: the embedded SmolLM2-135M-Instruct GGUF (``models.loader.default_model_path``);
+- ``None``: the embedded SmolLM2-135M-Instruct GGUF (``model_source.default_model_path``);
 - a ``.gguf`` file: vocabulary, merges, special tokens and chat template come from the
-  file's metadata (byte-level BPE vocabularies are built by ``gguf_vocab``, others by
-  transformers' GGUF conversion);
-- a folder with ``tokenizer.json`` (or ``tokenizer_config.json``): the Hugging Face
-  tokenizer, its chat template (``tokenizer_config.json`` or ``chat_template.jinja``) and
-  the EOS ids of ``generation_config.json`` (Llama 3 lists several).
+  file's metadata (byte-level BPE vocabularies are built by ``gguf_vocab``);
+- a folder with ``tokenizer.json``: the Hugging Face tokenizer, its chat template
+  (``tokenizer_config.json`` or ``chat_template.jinja``), its special tokens and the EOS
+  ids of ``generation_config.json`` (Llama 3 lists several).
 
-Nothing is downloaded. ``Tokenizer`` methods encode and decode through the Rust
-``tokenizers`` backend directly (no per-call Python setup, no state changed by a call),
-so calling them from the asyncio thread costs microseconds per short text. Decoding never
-applies transformers' ``clean_up_tokenization_spaces``: text is exactly what the tokens
-spell, identical whether it is decoded at once or incrementally.
+Both read with the ``tokenizers`` library and render templates with jinja2
+(``chat_template``), so the HTTP process that tokenises never imports transformers or
+torch. Only a source those cannot read (a vocabulary kind ``gguf_vocab`` does not build, a
+folder with a SentencePiece ``tokenizer.model`` and no ``tokenizer.json``) is converted by
+transformers, which imports torch; the log says so.
+
+Nothing is downloaded. ``Tokenizer`` methods call the Rust backend directly (no
+per-call Python setup, no state changed by a call), so calling them from the asyncio
+thread costs microseconds per short text. Decoding never applies transformers'
+``clean_up_tokenization_spaces``: text is exactly what the tokens spell, identical
+whether it is decoded at once or incrementally.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jinja2
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from tokenizers import Tokenizer as Backend
 
 from tokenmill.errors import InvalidParameterError
-from tokenmill.models.loader import default_model_path
+from tokenmill.model_source import default_model_path
+from tokenmill.tokenizer.chat_template import ChatTemplate
 from tokenmill.tokenizer.gguf_vocab import (
     build_byte_level_bpe,
     read_gguf_metadata,
     supports_byte_level_bpe,
 )
 
+logger = logging.getLogger("tokenmill")
+
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                   "tokenizer.ggml.eom_token_id")
+_GGUF_SPECIAL_KEYS = {"bos_token": "tokenizer.ggml.bos_token_id",
+                      "eos_token": "tokenizer.ggml.eos_token_id",
+                      "unk_token": "tokenizer.ggml.unknown_token_id",
+                      "pad_token": "tokenizer.ggml.padding_token_id"}
 
 
 class Tokenizer:
-    """A fast Hugging Face tokenizer plus what serving needs from it.
+    """A ``tokenizers`` backend plus what serving needs from it.
 
-    Invariants: ``eos_token_ids`` is non-empty only with ids of the vocabulary;
-    ``vocab_size == len(hf)`` counts added tokens; instances are never mutated after
-    construction, so one instance may be shared by threads.
+    Invariants: ``eos_token_ids`` holds only ids of the vocabulary; ``vocab_size`` counts
+    added tokens; instances are never mutated after construction, so one instance may be
+    shared by threads.
     """
 
-    def __init__(self, hf: PreTrainedTokenizerBase, eos_token_ids: Iterable[int],
-                 source: str) -> None:
-        backend = getattr(hf, "backend_tokenizer", None)
-        if backend is None:
-            raise ValueError(f"{source}: only fast (tokenizer.json) tokenizers are supported")
-        self.hf = hf
+    def __init__(self, backend: Backend, eos_token_ids: Iterable[int], source: str,
+                 chat_template: str | None = None,
+                 special_tokens: Mapping[str, str] | None = None) -> None:
+        self.backend = backend
         self.source = source
-        self._backend = backend
-        self.vocab_size = len(hf)
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.eos_token_ids = frozenset(i for i in eos_token_ids if 0 <= i < self.vocab_size)
-        self.bos_token_id: int | None = hf.bos_token_id
-        self.all_special_ids = frozenset(hf.all_special_ids)
-
-    @property
-    def chat_template(self) -> str | None:
-        return self.hf.chat_template or None
+        self.chat_template = chat_template or None
+        # the template sees the special tokens by name (bos_token, eos_token, ...)
+        self._template = (None if self.chat_template is None
+                          else _compile(self.chat_template, source, special_tokens or {}))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
-        return [self._backend.id_to_token(i) or "" for i in ids]
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: Sequence[dict[str, Any]],
                     add_generation_prompt: bool = True) -> str:
         """The chat template's text for ``messages`` (see ``apply_chat_template``)."""
-        if self.chat_template is None:
+        if isinstance(self._template, ValueError):
+            raise self._template
+        if self._template is None:
             raise ValueError(f"{self.source}: the tokenizer has no chat template; "
                              "use the completions API or a model that ships one")
         conversation = [_flatten_message(m) for m in _check_messages(messages)]
         try:
-            return self.hf.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
-        except jinja2.TemplateSyntaxError as e:
-            raise ValueError(f"{self.source}: the chat template is not valid Jinja: {e}") from e
+            return self._template.render(conversation, add_generation_prompt)
         except jinja2.TemplateError as e:  # raise_exception() in a template: bad conversation
             raise InvalidParameterError(f"chat template rejected the messages: {e}",
                                         "messages") from e
@@ -102,6 +106,16 @@ class Tokenizer:
         """
         text = self.render_chat(messages, add_generation_prompt)
         return self.encode(text, add_special_tokens=False)
+
+
+def _compile(template: str, source: str,
+             special_tokens: Mapping[str, str]) -> ChatTemplate | ValueError:
+    """The compiled template, or the error that every chat request will report (a model
+    with a broken template still serves completions)."""
+    try:
+        return ChatTemplate(template, special_tokens)
+    except ValueError as e:
+        return ValueError(f"{source}: {e}")
 
 
 def _check_messages(messages: Sequence[dict[str, Any]]) -> Sequence[dict[str, Any]]:
@@ -157,46 +171,90 @@ def _load_cached(kind: str, path: str) -> Tokenizer:
 
 
 def _load_hf_folder(folder: str) -> Tokenizer:
-    try:
-        hf = AutoTokenizer.from_pretrained(folder, local_files_only=True, use_fast=True,
-                                           trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot load the tokenizer in {folder}: {e}") from e
+    config = _read_json(os.path.join(folder, "tokenizer_config.json")) or {}
+    special = {name: text for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+               if (text := _token_text(config.get(name))) is not None}
+    template = _config_template(config.get("chat_template"))
     template_file = os.path.join(folder, "chat_template.jinja")
-    if not hf.chat_template and os.path.isfile(template_file):
+    if not template and os.path.isfile(template_file):
         with open(template_file, encoding="utf-8") as f:
-            hf.chat_template = f.read()
-    eos_ids = {hf.eos_token_id} if hf.eos_token_id is not None else set()
-    gen_config = os.path.join(folder, "generation_config.json")
-    if os.path.isfile(gen_config):
-        with open(gen_config, encoding="utf-8") as f:
-            listed = json.load(f).get("eos_token_id")
-        eos_ids.update(listed if isinstance(listed, list) else [] if listed is None else [listed])
-    return Tokenizer(hf, eos_ids, source=folder)
+            template = f.read()
+    tokenizer_file = os.path.join(folder, "tokenizer.json")
+    if os.path.isfile(tokenizer_file):
+        try:
+            backend = Backend.from_file(tokenizer_file)
+        except Exception as e:  # noqa: BLE001 - the Rust loader's errors have no common base
+            raise ValueError(f"cannot load the tokenizer in {folder}: {e}") from None
+    else:
+        backend, template, special = _convert_with_transformers(folder, None, template, special)
+    eos_ids = {backend.token_to_id(special["eos_token"])} if "eos_token" in special else set()
+    generation = _read_json(os.path.join(folder, "generation_config.json")) or {}
+    listed = generation.get("eos_token_id")
+    eos_ids.update(listed if isinstance(listed, list) else [] if listed is None else [listed])
+    return Tokenizer(backend, (i for i in eos_ids if i is not None), folder, template, special)
 
 
 def _load_gguf(path: str) -> Tokenizer:
     metadata = read_gguf_metadata(path)
     if "tokenizer.ggml.tokens" not in metadata:
         raise ValueError(f"{path} carries no tokenizer metadata")
-    if supports_byte_level_bpe(metadata):
-        hf = _wrap_byte_level_bpe(metadata)
-    else:  # SentencePiece and other vocabularies: transformers' GGUF conversion
-        hf = AutoTokenizer.from_pretrained(os.path.dirname(path),
-                                           gguf_file=os.path.basename(path),
-                                           local_files_only=True)
-    eos_ids = [metadata[k] for k in _GGUF_EOS_KEYS if k in metadata]
-    return Tokenizer(hf, eos_ids, source=path)
-
-
-def _wrap_byte_level_bpe(metadata: dict[str, Any]) -> PreTrainedTokenizerFast:
     tokens = metadata["tokenizer.ggml.tokens"]
-    named = {name: tokens[metadata[key]] for name, key in (
-        ("bos_token", "tokenizer.ggml.bos_token_id"),
-        ("eos_token", "tokenizer.ggml.eos_token_id"),
-        ("unk_token", "tokenizer.ggml.unknown_token_id"),
-        ("pad_token", "tokenizer.ggml.padding_token_id"),
-    ) if key in metadata}
-    return PreTrainedTokenizerFast(tokenizer_object=build_byte_level_bpe(metadata),
-                                   chat_template=metadata.get("tokenizer.chat_template"),
-                                   clean_up_tokenization_spaces=False, **named)
+    special = {name: tokens[metadata[key]] for name, key in _GGUF_SPECIAL_KEYS.items()
+               if key in metadata and 0 <= metadata[key] < len(tokens)}
+    template = metadata.get("tokenizer.chat_template")
+    if supports_byte_level_bpe(metadata):
+        backend = build_byte_level_bpe(metadata)
+    else:
+        backend, template, special = _convert_with_transformers(
+            os.path.dirname(path), os.path.basename(path), template, special)
+    eos_ids = [metadata[k] for k in _GGUF_EOS_KEYS if k in metadata]
+    return Tokenizer(backend, eos_ids, path, template, special)
+
+
+def _convert_with_transformers(folder: str, gguf_file: str | None, template: str | None,
+                               special: dict[str, str]
+                               ) -> tuple[Backend, str | None, dict[str, str]]:
+    """A vocabulary only transformers can convert (SentencePiece files, GGUF vocabularies
+    ``gguf_vocab`` does not build): its backend, template and special tokens."""
+    source = os.path.join(folder, gguf_file) if gguf_file else folder
+    logger.info("%s: converting the tokenizer with transformers (this imports torch)", source)
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True,
+                                           use_fast=True, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load the tokenizer in {source}: {e}") from e
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError(f"{source}: only fast (tokenizer.json) tokenizers are supported")
+    named = {name: value for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+             if isinstance(value := getattr(hf, name, None), str)}
+    return backend, template or hf.chat_template, {**named, **special}
+
+
+def _read_json(path: str) -> dict | None:
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    return value if isinstance(value, dict) else None
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as ``tokenizer_config.json`` writes it: text, or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _config_template(value: Any) -> str | None:
+    """``chat_template`` of ``tokenizer_config.json``: a string, or a list of named
+    templates of which the one named ``default`` is the chat template."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    return value if isinstance(value, str) and value else None
