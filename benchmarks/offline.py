@@ -90,7 +90,7 @@ def measure(args: argparse.Namespace) -> dict:
     llm = LLM(args.model, dtype=str(dtype).removeprefix("torch."), max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens)
     reference = load_reference(args.model or default_model_path(), dtype, device)
-    vocab = llm.engine.model_config.vocab_size
+    vocab = llm.engine.info.vocab_size
     prompts = make_prompts(args.num_requests, args.input_len, vocab, args.seed)
     with torch.inference_mode():
         run_tokenmill(llm, prompts[:2], WARMUP_TOKENS)

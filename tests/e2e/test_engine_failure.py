@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import re
 import threading
 import time
@@ -15,13 +16,14 @@ import pytest
 import uvicorn
 from server_process import free_port
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.builder import build_engine
-from tokenmill.engine.process import start_engine_thread
+from tokenmill.engine.process import run_engine_loop
 from tokenmill.frontend.async_engine import AsyncEngine
+from tokenmill.frontend.processor import InputProcessor
 from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.server.app import build_app
-from tokenmill.server.serving import ServerOptions
+from tokenmill.tokenizer.tokenizer import load_tokenizer
 
 
 class FailingExecutor:
@@ -55,10 +57,12 @@ def _serve(tiny_model: str, fail_at: int, **config):
                                        **config))
     engine.core.executor = FailingExecutor(engine.core.executor, fail_at=fail_at)
     metrics = PrometheusMetrics("tiny")
-    async_engine = AsyncEngine(start_engine_thread(engine.core), engine.tokenizer, [metrics],
-                               [metrics])
-    app = build_app(async_engine, engine.processor, metrics, ServerOptions("tiny"),
-                    engine.max_model_len)
+    tokenizer = load_tokenizer(tiny_model)
+    server_end, engine_end = multiprocessing.Pipe()  # the engine loop on a thread, not a process
+    threading.Thread(target=run_engine_loop, args=(engine.core, engine_end), daemon=True).start()
+    async_engine = AsyncEngine(server_end, tokenizer, [metrics], [metrics])
+    app = build_app(async_engine, InputProcessor(tokenizer, engine.info), metrics,
+                    ServerConfig(served_model_name="tiny"))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -1,5 +1,6 @@
 """``tokenmill serve`` runs the engine in a child process of its own, which serves through
-the server and never outlives it, however the server ends."""
+the server and never outlives it, however the server ends; the HTTP process never loads
+torch, a model or a kernel."""
 
 from __future__ import annotations
 
@@ -53,6 +54,17 @@ def wait_gone(pid: int, timeout: float) -> bool:
     return True
 
 
+def mapped_files(pid: int) -> set[str]:
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split()[-1] for line in f if len(line.split()) >= 6}
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return kib / 1024
+
+
 def test_engine_runs_in_its_own_process_and_ends_with_the_server(tiny_model):
     server = ServerProcess(tiny_model, "--max-model-len", "256")
     try:
@@ -60,6 +72,18 @@ def test_engine_runs_in_its_own_process_and_ends_with_the_server(tiny_model):
         r = httpx.post(server.base_url + "/v1/completions", timeout=30, json={
             "prompt": "hello", "max_tokens": 4, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        r = httpx.post(server.base_url + "/v1/chat/completions", timeout=30, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 200
+        health = httpx.get(server.base_url + "/health", timeout=10)
+        assert health.json() == {"status": "ok", "model": os.path.basename(tiny_model),
+                                 "engine_alive": True}
+        assert any("libtorch" in f for f in mapped_files(engine))
+        loaded = [f for f in mapped_files(server.process.pid)
+                  if "libtorch" in f or "tokenmill_kernels" in f]
+        assert not loaded, f"the HTTP process loaded torch or the native kernels: {loaded}"
+        print(f"RSS: HTTP process {rss_mib(server.process.pid):.0f} MiB, "
+              f"engine {rss_mib(engine):.0f} MiB")
         os.kill(engine, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
         os.kill(engine, signal.SIGTERM)
         time.sleep(0.5)

@@ -27,7 +27,6 @@ DEFAULT_MAX_MODEL_LEN = 8192
 @dataclass(frozen=True, slots=True)
 class Engine:
     core: EngineCore
-    model_config: ModelConfig
     info: EngineInfo  # what a client of the engine needs to know (model name, sizes)
 
 
@@ -51,7 +50,7 @@ def build_engine(config: EngineConfig) -> Engine:
                 config.block_size, max_model_len)
     info = EngineInfo(model_name_for(config.model), max_model_len, model_config.vocab_size,
                       num_blocks * config.block_size)
-    return Engine(core, model_config, info)
+    return Engine(core, info)
 
 
 def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
