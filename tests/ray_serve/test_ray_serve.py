@@ -218,19 +218,19 @@ def test_small_requests_avoid_the_replica_holding_a_long_prompt(ray_server):
 
 
 def test_token_load_scales_one_to_two_and_back(ray_server, tiny_long_model):
-    from tokenmill.cli import build_parser
-    from tokenmill.config import EngineConfig
+    from tokenmill.config import EngineConfig, ServerConfig
     from tokenmill.ray_serve.launch import build_application
+    from tokenmill.ray_serve.options import RayConfig
 
-    args = build_parser().parse_args([
-        "serve", tiny_long_model, "--ray", "--served-model-name", "tiny", "--min-replicas", "1",
-        "--max-replicas", "2", "--target-tokens-per-replica", "256", "--upscale-delay-s", "1",
-        "--downscale-delay-s", "5", "--look-back-period-s", "1",
-        "--autoscaling-metrics-interval-s", "0.25", "--routing-stats-period-s", "0.2",
-        "--replica-num-cpus", "1", "--request-router", "token-load"])
+    ray_config = RayConfig(
+        ray=True, min_replicas=1, max_replicas=2, target_tokens_per_replica=256,
+        upscale_delay_s=1, downscale_delay_s=5, look_back_period_s=1,
+        autoscaling_metrics_interval_s=0.25, routing_stats_period_s=0.2, replica_num_cpus=1,
+        request_router="token-load")
     config = EngineConfig(model=tiny_long_model, dtype="float32", max_model_len=MAX_MODEL_LEN)
     serve_api.delete(APP)
-    serve_api.run(build_application(args, config), name=APP, route_prefix="/")
+    serve_api.run(build_application(ray_config, ServerConfig(served_model_name="tiny"), config),
+                  name=APP, route_prefix="/")
     assert _running_replicas() == 1
 
     stop = threading.Event()
@@ -263,5 +263,6 @@ def test_token_load_scales_one_to_two_and_back(ray_server, tiny_long_model):
             worker.join()
     idle = time.monotonic()
     while _running_replicas() > 1:
-        assert time.monotonic() - idle < args.downscale_delay_s + 10, "did not scale back down"
+        assert time.monotonic() - idle < ray_config.downscale_delay_s + 10, \
+            "did not scale back down"
         time.sleep(0.25)
