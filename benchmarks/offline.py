@@ -24,6 +24,7 @@ writes JSON. Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import statistics
@@ -39,8 +40,10 @@ from forward import load_reference  # noqa: E402  (the sibling benchmark's loade
 from report_file import write_report  # noqa: E402  (sibling module)
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
-from tokenmill.hardware import DTYPE_CHOICES, pick_device, resolve_dtype  # noqa: E402
+from tokenmill.config import EngineConfig  # noqa: E402
+from tokenmill.hardware import pick_device, resolve_dtype  # noqa: E402
 from tokenmill.model_source import default_model_path, model_name_for  # noqa: E402
+from tokenmill.options import add_options, options_from  # noqa: E402
 
 WARMUP_TOKENS = 4
 
@@ -85,13 +88,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def measure(args: argparse.Namespace) -> dict:
+    config = options_from(args, EngineConfig)
     device = pick_device()
-    dtype = resolve_dtype(args.dtype, device)
-    llm = LLM(args.model, dtype=str(dtype).removeprefix("torch."), max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
-    reference = load_reference(args.model or default_model_path(), dtype, device)
+    dtype = resolve_dtype(config.dtype, device, config.quantization)
+    config = dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
+    llm = LLM(**dataclasses.asdict(config))
+    reference = load_reference(config.model or default_model_path(), dtype, device)
     vocab = llm.engine.info.vocab_size
-    prompts = make_prompts(args.num_requests, args.input_len, vocab, args.seed)
+    prompts = make_prompts(args.num_requests, args.input_len, vocab, config.seed)
     with torch.inference_mode():
         run_tokenmill(llm, prompts[:2], WARMUP_TOKENS)
         run_transformers(reference, prompts[:2], WARMUP_TOKENS, 2, device)
@@ -109,13 +113,13 @@ def measure(args: argparse.Namespace) -> dict:
                          "round_seconds": [run[0] for run in runs]}
     agree = [common_prefix(a, b) for a, b in zip(ours[0][1], theirs[0][1], strict=True)]
     return {
-        "model": model_name_for(args.model),
+        "model": model_name_for(config.model),
         "dtype": str(dtype).removeprefix("torch."),
         "device": str(device),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "machine": platform.machine(),
-        "args": vars(args),
+        "args": {**vars(args), **dataclasses.asdict(config)},
         **results,
         "ratio_output_tok_s": (results["tokenmill"]["output_tok_s"]
                                / results["transformers"]["output_tok_s"]),
@@ -153,17 +157,14 @@ def print_table(report: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="HF folder or GGUF file (default: SmolLM2)")
-    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/offline.json")
+    add_options(parser.add_argument_group("engine (--seed also seeds the prompts)"), EngineConfig)
+    parser.set_defaults(max_num_batched_tokens=512)
     args = parser.parse_args()
     report = measure(args)
     print_table(report)
