@@ -34,6 +34,7 @@ import multiprocessing
 import queue
 import signal
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from tokenmill.config import EngineConfig
@@ -123,9 +124,12 @@ def run_engine_loop(core: EngineCore, conn: Connection) -> None:
         conn.close()
 
 
-def start_engine_process(config: EngineConfig, log_level: int = logging.INFO
+def start_engine_process(config: EngineConfig, log_level: int = logging.INFO,
+                         setup: Callable[[], None] | None = None,
                          ) -> tuple[Connection, EngineInfo, multiprocessing.Process]:
     """Build the engine in a new process (logging at ``log_level``) and start its loop there.
+    ``setup``, a module-level function (it is pickled), runs first in that process: a
+    profiler's hook to instrument the engine.
 
     Returns the server's end of the pipe, the engine's ``EngineInfo`` and the process.
     Raises ``ValueError`` with the engine's own message when it cannot be built (a bad
@@ -133,7 +137,8 @@ def start_engine_process(config: EngineConfig, log_level: int = logging.INFO
     """
     context = multiprocessing.get_context("spawn")  # no copy of this process's threads
     server_end, engine_end = context.Pipe()
-    process = context.Process(target=_engine_process_main, args=(config, engine_end, log_level),
+    process = context.Process(target=_engine_process_main,
+                              args=(config, engine_end, log_level, setup),
                               name="tokenmill-engine", daemon=True)
     process.start()
     engine_end.close()
@@ -151,9 +156,12 @@ def start_engine_process(config: EngineConfig, log_level: int = logging.INFO
     return server_end, ready, process
 
 
-def _engine_process_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
+def _engine_process_main(config: EngineConfig, conn: Connection, log_level: int,
+                         setup: Callable[[], None] | None) -> None:
     from tokenmill.engine.builder import build_engine
 
+    if setup is not None:
+        setup()
     # The server coordinates shutdown; a terminal's Ctrl-C reaches the whole group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 
 import uvicorn
 
@@ -23,11 +24,13 @@ from tokenmill.frontend.async_engine import AsyncEngine
 from tokenmill.server.app import build_server
 
 
-def serve(options: ServerConfig, config: EngineConfig) -> int:
+def serve(options: ServerConfig, config: EngineConfig,
+          engine_setup: Callable[[], None] | None = None) -> int:
     """Serve until stopped; the exit status (0, or 1 when the server never started).
-    Both processes log at the root logger's level."""
+    Both processes log at the root logger's level; ``engine_setup`` runs first in the
+    engine process (``start_engine_process``'s ``setup``)."""
     log_level = logging.getLogger().level
-    conn, info, engine_process = start_engine_process(config, log_level)
+    conn, info, engine_process = start_engine_process(config, log_level, engine_setup)
     async_engine, app, lifecycle = build_server(options, config, conn, info)
     server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port,
                                            log_level=log_level, timeout_graceful_shutdown=5))
