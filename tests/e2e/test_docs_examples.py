@@ -52,11 +52,13 @@ import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
-from unittest import mock
 
 import httpx
 import pytest
 import yaml
+
+from tokenmill import cli
+from tokenmill.bench import cli as bench_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = ["README.md", *sorted(os.path.relpath(p, ROOT)
@@ -157,35 +159,18 @@ def not_run_reason(block: Block) -> str | None:
 
 
 # ------------------------------------------------------------------ the CLI, parse only
-class _Parsed(BaseException):
-    """Raised in place of running a command once its arguments have parsed."""
-
-
-def parse_only(argv: list[str], module: str = "tokenmill.cli") -> argparse.ArgumentParser:
-    """Run ``module.main(argv)`` as far as its top-level ``parse_args`` and no further.
-
-    Returns the top-level parser. A bad command line fails the test with argparse's
-    message. Only ``parse_args`` is intercepted (subcommands parse inside it), so this
-    holds however the CLI builds its parser.
-    """
-    main = __import__(module, fromlist=["main"]).main
-    original = argparse.ArgumentParser.parse_args
-
-    def parse_args(self, args=None, namespace=None):
-        stderr = io.StringIO()
-        try:
-            with contextlib.redirect_stderr(stderr):
-                original(self, args, namespace)
-        except SystemExit:
-            pytest.fail(f"`{shlex.join(argv)}` does not parse: {stderr.getvalue().strip()}")
-        raise _Parsed(self)
-
-    with mock.patch.object(argparse.ArgumentParser, "parse_args", parse_args):
-        try:
-            main(argv)
-        except _Parsed as parsed:
-            return parsed.args[0]
-    pytest.fail(f"{module}.main({argv}) never parsed its arguments")
+def parse_only(argv: list[str], bench: bool = False) -> None:
+    """Parse ``argv`` as ``tokenmill`` (or ``python -m tokenmill.bench``) would, running
+    nothing; a bad command line fails the test with argparse's message."""
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            if bench:
+                bench_cli.build_parser().parse_args(argv)
+            else:
+                cli.parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"`{shlex.join(argv)}` does not parse: {stderr.getvalue().strip()}")
 
 
 def all_options(parser: argparse.ArgumentParser) -> set[str]:
@@ -218,7 +203,7 @@ def check_parses(words: list[str], where: str) -> None:
     elif words[2] in ("tokenmill", "tokenmill.cli"):
         parse_only(words[3:])
     elif words[2] == "tokenmill.bench":
-        parse_only(words[3:], "tokenmill.bench.cli")
+        parse_only(words[3:], bench=True)
     else:
         pytest.fail(f"{where}: no CLI known for {shlex.join(words)}")
 
@@ -338,7 +323,7 @@ def test_every_tokenmill_command_line_parses() -> None:
 
 
 def test_every_flag_named_in_the_docs_exists() -> None:
-    options = all_options(parse_only(["serve"]))
+    options = all_options(cli.build_parser()[0])
     for doc in DOCS:
         text = read(doc)
         # a script's flags are checked against that script: `benchmarks/x.py --flag`

@@ -48,11 +48,16 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m tokenmill.bench``."""
     parser = argparse.ArgumentParser(prog=PROG, description="Benchmark an OpenAI-compatible "
                                      "server (see docs/bench.md).")
     add_arguments(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 
