@@ -169,8 +169,9 @@ def parse_only(argv: list[str], bench: bool = False) -> None:
                 bench_cli.build_parser().parse_args(argv)
             else:
                 cli.parse_args(argv)
-    except SystemExit:
-        pytest.fail(f"`{shlex.join(argv)}` does not parse: {stderr.getvalue().strip()}")
+    except SystemExit as done:
+        if done.code:  # --help and --version exit 0 once parsed
+            pytest.fail(f"`{shlex.join(argv)}` does not parse: {stderr.getvalue().strip()}")
 
 
 def all_options(parser: argparse.ArgumentParser) -> set[str]:
