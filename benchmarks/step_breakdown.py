@@ -53,6 +53,8 @@ from tokenmill.engine.sampler import Sampler
 from tokenmill.frontend import request_state
 from tokenmill.models import layers, llama
 from tokenmill.models.attention import AttentionBackend
+from tokenmill.models.attention_native import NativeDecode, NativePrefill
+from tokenmill.models.attention_sdpa import SdpaDecode, SdpaPrefill
 
 SNAPSHOT_ENV = "STEP_BREAKDOWN_FILE"
 SNAPSHOT_PERIOD_S = 0.2
@@ -98,7 +100,8 @@ def instrument_engine(timers: Timers) -> None:
     timers.wrap(layers.Linear, "forward", "matmuls")
     timers.wrap(layers.Linear, "forward_add", "matmuls")
     timers.wrap(llama.LlamaForCausalLM, "compute_logits", "lm_head")
-    timers.wrap(AttentionBackend, "attend", "attention")  # after rotary and the store
+    for attention in (NativeDecode, NativePrefill, SdpaDecode, SdpaPrefill):
+        timers.wrap(attention, "__call__", "attention")  # after rotary and the store
     timers.wrap(llama.LlamaForCausalLM, "forward", "forward")
     timers.wrap(Sampler, "__call__", "sampling")
     schedule = Scheduler.schedule

@@ -54,7 +54,8 @@ class AttentionPlan(Generic[D, P]):
     """Per-forward index tensors shared by every layer (see the module docstring)."""
 
     slot_mapping: torch.Tensor  # [T]: where each new token's key and value go
-    decode_token_idx: torch.Tensor | None  # [Bd] flat indices; None: every token is a decode
+    # [Bd] flat indices of the decode tokens; None where all tokens are decodes, or none is
+    decode_token_idx: torch.Tensor | None
     decode: D | None  # the decode attention's sub-plan; None: no decode sequence
     prefill: P | None  # the prefill attention's sub-plan; None: no prefill sequence
 
@@ -133,21 +134,17 @@ class AttentionBackend(ABC, Generic[D, P]):
                    else None)
         return AttentionPlan(md.slot_mapping, decode_idx, decode, prefill)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-               kv_cache: torch.Tensor, plan: AttentionPlan[D, P]) -> torch.Tensor:
-        """``[T, heads * D]`` for ``q [T, heads, D]`` once the new keys and values are in
-        ``kv_cache``; ``k, v [T, kv_heads, D]`` (the new ones) may be None unless the
-        prefill attention ``reads_new_kv`` and the plan has prefills."""
-        idx = plan.decode_token_idx
-        decode_out = None
-        if plan.decode is not None:
-            decode_out = self.decode(q if idx is None else q[idx], kv_cache, plan.decode,
-                                     self.scale)
-            if idx is None:
-                return decode_out
+    def _attend_with_prefills(self, q: torch.Tensor, k: torch.Tensor | None,
+                              v: torch.Tensor | None, kv_cache: torch.Tensor,
+                              plan: AttentionPlan[D, P]) -> torch.Tensor:
+        """``[T, heads * D]`` for ``q [T, heads, D]`` of a batch with prefill sequences (a
+        batch of decodes alone is one ``self.decode`` call), once the new keys and values
+        are in ``kv_cache``; ``k, v [T, kv_heads, D]`` (the new ones) may be None unless the
+        prefill attention ``reads_new_kv``."""
+        assert plan.prefill is not None, "a batch of decodes alone takes self.decode"
         out = q.new_empty(q.shape[0], self.q_size)
-        if decode_out is not None:
-            out.index_copy_(0, idx, decode_out)
-        if plan.prefill is not None:
-            self.prefill(q, k, v, kv_cache, plan.prefill, self.scale, out)
+        if plan.decode is not None:
+            idx = plan.decode_token_idx
+            out.index_copy_(0, idx, self.decode(q[idx], kv_cache, plan.decode, self.scale))
+        self.prefill(q, k, v, kv_cache, plan.prefill, self.scale, out)
         return out

@@ -94,8 +94,10 @@ class NativeAttention(AttentionBackend):
         self._rotary_store_kv(qkv, cos, sin, kv_cache[0], kv_cache[1], plan.slot_mapping,
                               self.num_heads, self.num_kv_heads)
         q = qkv[:, : self.q_size].view(num_tokens, -1, self.head_dim)
+        if plan.prefill is None:  # every token is a decode
+            return self.decode(q, kv_cache, plan.decode, self.scale)
         k = v = None  # read from the cache, except by a prefill attention that reads them
-        if plan.prefill is not None and self.prefill.reads_new_kv:
+        if self.prefill.reads_new_kv:
             k, v = (qkv[:, lo:hi].view(num_tokens, -1, self.head_dim)
                     for lo, hi in ((self.q_size, self.qk_size), (self.qk_size, qkv.shape[1])))
-        return self.attend(q, k, v, kv_cache, plan)
+        return self._attend_with_prefills(q, k, v, kv_cache, plan)

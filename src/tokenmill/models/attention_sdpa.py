@@ -118,7 +118,9 @@ class SdpaAttention(AttentionBackend[SdpaDecodePlan, list[PrefillSeq]]):
             0, plan.slot_mapping, k)
         kv_cache[1].view(-1, self.num_kv_heads, self.head_dim).index_copy_(
             0, plan.slot_mapping, v)
-        return self.attend(q, k, v, kv_cache, plan)
+        if plan.prefill is None:  # every token is a decode
+            return self.decode(q, kv_cache, plan.decode, self.scale)
+        return self._attend_with_prefills(q, k, v, kv_cache, plan)
 
 
 def _kv_rows(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
