@@ -33,7 +33,7 @@ from rich.table import Table
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.hardware import cpu_has_bf16
-from tokenmill.kernels import native_ops
+from tokenmill.kernels import native_kernels
 from tokenmill.models.perplexity import mean_kl_divergence, next_token_logprobs, perplexity_of
 
 TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests",
@@ -74,8 +74,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--out", default="benchmarks/results/accuracy.json")
     args = parser.parse_args()
-    ops = native_ops()
-    skipped = {"w4a8": ops is None or ops.w4a8_linear is None,  # its kernel needs AVX2
+    kernels = native_kernels()
+    skipped = {"w4a8": kernels is None or not kernels.capabilities.w4a8_linear,  # AVX2
                "bfloat16": not cpu_has_bf16()}  # emulated: minutes per configuration
     configs = {name: options for name, options in CONFIGS.items() if not skipped.get(name)}
     results = {name: measure_config(args.model, options, args.max_tokens)

@@ -158,7 +158,7 @@ def main() -> None:
     device = pick_device()
     dtype = resolve_dtype(args.dtype, device)
     path = args.model or default_model_path()
-    ours, config = load_model(path, dtype, device, native=choose_kernels(args.kernels, device))
+    ours, config = load_model(path, dtype, device, kernels=choose_kernels(args.kernels, device))
     theirs = load_reference(path, dtype, device)
     gen = torch.Generator().manual_seed(0)
 

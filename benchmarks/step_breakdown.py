@@ -9,10 +9,11 @@ exactly ``--output-len`` output tokens, streaming, at each ``--concurrency`` in 
 Per level it prints the mean milliseconds per engine step of:
 
 - engine process: scheduling (``Scheduler.schedule``), input preparation (the runner's
-  tensors and attention plan), forward (matmuls incl. the LM head, attention, the rest:
-  norms, rotary, embedding, residuals), sampling (settings + sampler), update (stop
-  checks, outputs), other (the rest of ``EngineCore.step``: sending results, the queue
-  state), idle (between steps: waiting for work or the inbox);
+  tensors and attention plan), forward (matmuls incl. the LM head, attention over the
+  cache, the rest: norms, rotary and the KV store, embedding, residuals), sampling
+  (settings + sampler), update (stop checks, outputs), other (the rest of
+  ``EngineCore.step``: sending results, the queue state), idle (between steps: waiting
+  for work or the inbox);
 - server process, event-loop thread (CPU time): output processing (detokenisation, stop strings,
   stats) and HTTP/SSE (everything else it does: parsing, JSON, streaming).
 
@@ -51,6 +52,9 @@ from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.sampler import Sampler
 from tokenmill.frontend import request_state
 from tokenmill.models import layers, llama
+from tokenmill.models.attention import AttentionBackend
+from tokenmill.models.attention_native import NativeDecode, NativePrefill
+from tokenmill.models.attention_sdpa import SdpaDecode, SdpaPrefill
 
 SNAPSHOT_ENV = "STEP_BREAKDOWN_FILE"
 SNAPSHOT_PERIOD_S = 0.2
@@ -91,13 +95,13 @@ def instrument_engine(timers: Timers) -> None:
     timers.wrap(Scheduler, "update_from_output", "update")
     timers.wrap(EngineCore, "step", "step")
     timers.wrap(ModelRunner, "_prepare", "prepare")
-    timers.wrap(llama, "plan_attention", "plan")  # inside forward, counted as preparation
+    timers.wrap(AttentionBackend, "plan", "plan")  # inside forward, counted as preparation
     timers.wrap(ModelRunner, "_sampling_batch", "sampling")
     timers.wrap(layers.Linear, "forward", "matmuls")
     timers.wrap(layers.Linear, "forward_add", "matmuls")
     timers.wrap(llama.LlamaForCausalLM, "compute_logits", "lm_head")
-    timers.wrap(llama, "paged_attention", "attention")  # PyTorch kernels: store + attend
-    timers.wrap(llama, "attend", "attention")  # native kernels: the store is in rotary's op
+    for attention in (NativeDecode, NativePrefill, SdpaDecode, SdpaPrefill):
+        timers.wrap(attention, "__call__", "attention")  # after rotary and the store
     timers.wrap(llama.LlamaForCausalLM, "forward", "forward")
     timers.wrap(Sampler, "__call__", "sampling")
     schedule = Scheduler.schedule

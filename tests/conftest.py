@@ -25,6 +25,6 @@ def pytest_sessionstart(session) -> None:
     """Build the native CPU kernels once, here, before any test starts a server: servers
     then load the finished build instead of each compiling it (or waiting for another
     that does) within its start-up timeout."""
-    from tokenmill.kernels import native_ops
+    from tokenmill.kernels import native_kernels
 
-    native_ops()
+    native_kernels()

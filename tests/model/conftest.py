@@ -41,13 +41,14 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def native():
-    """The native CPU ops; a failed build fails the test where a C++ compiler exists."""
-    from tokenmill.kernels import native_ops
+    """This CPU's ``NativeKernels``; a failed build fails the test where a C++ compiler
+    exists."""
+    from tokenmill.kernels import native_kernels
 
-    ops = native_ops()
-    if ops is None:
+    kernels = native_kernels()
+    if kernels is None:
         if shutil.which("c++") or shutil.which("g++"):
             pytest.fail("the native kernels did not build, with a C++ compiler present "
                         "(the log says why)")
         pytest.skip("no C++ compiler here: the native kernels cannot be built")
-    return ops
+    return kernels

@@ -7,16 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.models.weight_formats import NativeInt4Weight
+from tokenmill.kernels.linear import NativeInt4Weight
 
 BF16 = torch.bfloat16
 
 
 @pytest.fixture
 def ops(native):
-    if native.bf16_linear is None:
+    """The bfloat16 linear kernels."""
+    if not native.capabilities.bf16_linear:
         pytest.skip("this CPU has no AVX512-BF16: bfloat16 weights take oneDNN's kernels")
-    return native
+    return native.linear_kernels(BF16)
 
 
 def expected(x, weight, bias=None, residual=None) -> torch.Tensor:
@@ -44,12 +45,12 @@ def test_linear_matches_exact_arithmetic(ops, rows, out_features, in_features):
     x = torch.randn(rows, in_features, generator=gen).to(BF16)
     bias = torch.randn(out_features, generator=gen).to(BF16)
     residual = torch.randn(rows, out_features, generator=gen).to(BF16)
-    packed = ops.bf16_pack_weight(weight)
+    packed = ops.pack_weight(weight)
 
-    plain = ops.bf16_linear(x, packed, out_features, None, None)
+    plain = ops.linear(x, packed, out_features, None, None)
     assert plain.dtype == BF16 and plain.shape == (rows, out_features)
     assert_one_rounding(plain, expected(x, weight), in_features)
-    assert_one_rounding(ops.bf16_linear(x, packed, out_features, bias, residual),
+    assert_one_rounding(ops.linear(x, packed, out_features, bias, residual),
                         expected(x, weight, bias, residual), in_features)
 
 
@@ -58,7 +59,7 @@ def test_linear_reads_strided_rows_in_place(ops):
     wide = torch.randn(9, 100).to(BF16)
     x = wide[:, 20:68]  # rows 100 apart
     residual = torch.randn(9, 128).to(BF16)[:, :64]
-    out = ops.bf16_linear(x, ops.bf16_pack_weight(weight), 64, None, residual)
+    out = ops.linear(x, ops.pack_weight(weight), 64, None, residual)
     assert_one_rounding(out, expected(x, weight, residual=residual), 48)
 
 
@@ -66,26 +67,26 @@ def test_linear_keeps_nan_and_inf(ops):
     weight = torch.ones(32, 4, dtype=BF16)
     x = torch.tensor([[1.0, 2.0, 3.0, 4.0], [float("nan"), 0, 0, 0], [float("inf"), 0, 0, 0]],
                      dtype=BF16)
-    out = ops.bf16_linear(x, ops.bf16_pack_weight(weight), 32, None, None).float()
+    out = ops.linear(x, ops.pack_weight(weight), 32, None, None).float()
     assert (out[0] == 10).all() and out[1].isnan().all() and (out[2] == float("inf")).all()
 
 
 def test_linear_rejects_bad_input(ops):
     weight = torch.randn(64, 32).to(BF16)
-    packed = ops.bf16_pack_weight(weight)
+    packed = ops.pack_weight(weight)
     x = torch.randn(3, 32).to(BF16)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        ops.bf16_linear(x.float(), packed, 64, None, None)
+        ops.linear(x.float(), packed, 64, None, None)
     with pytest.raises(RuntimeError, match="packing"):
-        ops.bf16_linear(torch.randn(3, 30).to(BF16), packed, 64, None, None)
+        ops.linear(torch.randn(3, 30).to(BF16), packed, 64, None, None)
     with pytest.raises(RuntimeError, match="packing"):
-        ops.bf16_linear(x, packed, 96, None, None)
+        ops.linear(x, packed, 96, None, None)
     with pytest.raises(RuntimeError, match="bias"):
-        ops.bf16_linear(x, packed, 64, torch.zeros(63, dtype=BF16), None)
+        ops.linear(x, packed, 64, torch.zeros(63, dtype=BF16), None)
     with pytest.raises(RuntimeError, match="residual"):
-        ops.bf16_linear(x, packed, 64, None, torch.zeros(2, 64, dtype=BF16))
+        ops.linear(x, packed, 64, None, torch.zeros(2, 64, dtype=BF16))
     with pytest.raises(RuntimeError, match="bfloat16"):
-        ops.bf16_pack_weight(weight.float())
+        ops.pack_weight(weight.float())
 
 
 @pytest.mark.parametrize("rows", [1, 13, 130])
@@ -111,7 +112,7 @@ def test_int8_linear_rejects_bad_input(ops):
     with pytest.raises(RuntimeError, match="scales"):
         ops.int8_linear(x, packed, torch.ones(64, dtype=BF16), 64, None, None)
     with pytest.raises(RuntimeError, match="int8_pack_weight"):  # a bfloat16 packing
-        ops.int8_linear(x, ops.bf16_pack_weight(torch.zeros(64, 32, dtype=BF16)),
+        ops.int8_linear(x, ops.pack_weight(torch.zeros(64, 32, dtype=BF16)),
                         torch.ones(64), 64, None, None)
     with pytest.raises(RuntimeError, match="int8"):
         ops.int8_pack_weight(torch.zeros(64, 32))
@@ -119,12 +120,13 @@ def test_int8_linear_rejects_bad_input(ops):
 
 @pytest.mark.parametrize("rows", [1, 7, 130])
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (37, 96)])
-def test_int4_linear_matches_exact_arithmetic(ops, rows, out_features, in_features):
+def test_int4_linear_matches_exact_arithmetic(ops, native, rows, out_features, in_features):
     """NativeInt4Weight packs; the kernel computes with the values it stands for,
     q * scale + min per group of 32 inputs."""
     gen = torch.Generator().manual_seed(rows + out_features)
     weight = (torch.randn(out_features, in_features, generator=gen) / 10).to(BF16).float()
-    fmt = NativeInt4Weight(ops, weight.to(BF16), torch.randn(out_features, generator=gen).to(BF16))
+    bias = torch.randn(out_features, generator=gen).to(BF16)
+    fmt = NativeInt4Weight(native, weight.to(BF16), bias)
     groups = weight.view(out_features, -1, NativeInt4Weight.GROUP)
     low = groups.amin(-1, keepdim=True)
     step = (groups.amax(-1, keepdim=True) - low) / 15
@@ -135,8 +137,8 @@ def test_int4_linear_matches_exact_arithmetic(ops, rows, out_features, in_featur
                         expected(x, stands_for, fmt.bias, residual), in_features)
 
 
-def test_int4_linear_rejects_bad_input(ops):
-    fmt = NativeInt4Weight(ops, torch.randn(64, 64).to(BF16), None)
+def test_int4_linear_rejects_bad_input(ops, native):
+    fmt = NativeInt4Weight(native, torch.randn(64, 64).to(BF16), None)
     x = torch.randn(3, 64).to(BF16)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         ops.int4_linear(x[:, :48], fmt.packed, fmt.scales, fmt.mins, 64, None, None)

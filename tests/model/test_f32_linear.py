@@ -7,15 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.models.weight_formats import NativeInt4Weight
+from tokenmill.kernels.linear import NativeInt4Weight
 
 
 @pytest.fixture
 def ops(native):
-    if native.f32_linear is None:
+    """The float32 linear kernels."""
+    if not native.capabilities.f32_linear:
         pytest.skip("this CPU has AVX-512 (or lacks AVX2/FMA): float32 weights take "
                     "oneDNN's kernels")
-    return native
+    return native.linear_kernels(torch.float32)
 
 
 def expected(x, weight, bias=None, residual=None) -> torch.Tensor:
@@ -44,12 +45,12 @@ def test_linear_matches_exact_arithmetic(ops, rows, out_features, in_features):
     x = torch.randn(rows, in_features, generator=gen)
     bias = torch.randn(out_features, generator=gen)
     residual = torch.randn(rows, out_features, generator=gen)
-    packed = ops.f32_pack_weight(weight)
+    packed = ops.pack_weight(weight)
 
-    plain = ops.f32_linear(x, packed, out_features, None, None)
+    plain = ops.linear(x, packed, out_features, None, None)
     assert plain.shape == (rows, out_features)
     assert_float32_sums(plain, expected(x, weight), in_features)
-    assert_float32_sums(ops.f32_linear(x, packed, out_features, bias, residual),
+    assert_float32_sums(ops.linear(x, packed, out_features, bias, residual),
                         expected(x, weight, bias, residual), in_features)
 
 
@@ -62,17 +63,17 @@ def test_linear_rows_do_not_depend_on_their_batch(ops, kind):
     out_features, in_features = 203, 70
     x = torch.randn(40, in_features, generator=gen)
     if kind == "float32":
-        packed = ops.f32_pack_weight(torch.randn(out_features, in_features, generator=gen))
+        packed = ops.pack_weight(torch.randn(out_features, in_features, generator=gen))
 
         def linear(rows):
-            return ops.f32_linear(rows, packed, out_features, None, None)
+            return ops.linear(rows, packed, out_features, None, None)
     else:
         q = torch.randint(-127, 128, (out_features, in_features), generator=gen,
                           dtype=torch.int8)
-        packed, scales = ops.int8_f32_pack_weight(q), torch.rand(out_features, generator=gen)
+        packed, scales = ops.int8_pack_weight(q), torch.rand(out_features, generator=gen)
 
         def linear(rows):
-            return ops.int8_f32_linear(rows, packed, scales, out_features, None, None)
+            return ops.int8_linear(rows, packed, scales, out_features, None, None)
     batch = linear(x)
     for size in (1, 2, 3, 7):
         for start in range(0, 8, size):
@@ -83,33 +84,33 @@ def test_linear_reads_strided_rows_in_place(ops):
     weight = torch.randn(64, 48)
     x = torch.randn(9, 100)[:, 20:68]  # rows 100 apart
     residual = torch.randn(9, 128)[:, :64]
-    out = ops.f32_linear(x, ops.f32_pack_weight(weight), 64, None, residual)
+    out = ops.linear(x, ops.pack_weight(weight), 64, None, residual)
     assert_float32_sums(out, expected(x, weight, residual=residual), 48)
 
 
 def test_linear_keeps_nan_and_inf(ops):
     weight = torch.ones(16, 4)
     x = torch.tensor([[1.0, 2.0, 3.0, 4.0], [float("nan"), 0, 0, 0], [float("inf"), 0, 0, 0]])
-    out = ops.f32_linear(x, ops.f32_pack_weight(weight), 16, None, None)
+    out = ops.linear(x, ops.pack_weight(weight), 16, None, None)
     assert (out[0] == 10).all() and out[1].isnan().all() and (out[2] == float("inf")).all()
 
 
 def test_linear_rejects_bad_input(ops):
     weight = torch.randn(64, 32)
-    packed = ops.f32_pack_weight(weight)
+    packed = ops.pack_weight(weight)
     x = torch.randn(3, 32)
     with pytest.raises(RuntimeError, match="float32"):
-        ops.f32_linear(x.bfloat16(), packed, 64, None, None)
+        ops.linear(x.bfloat16(), packed, 64, None, None)
     with pytest.raises(RuntimeError, match="packing"):
-        ops.f32_linear(torch.randn(3, 30), packed, 64, None, None)
+        ops.linear(torch.randn(3, 30), packed, 64, None, None)
     with pytest.raises(RuntimeError, match="packing"):
-        ops.f32_linear(x, packed, 96, None, None)
+        ops.linear(x, packed, 96, None, None)
     with pytest.raises(RuntimeError, match="bias"):
-        ops.f32_linear(x, packed, 64, torch.zeros(63), None)
+        ops.linear(x, packed, 64, torch.zeros(63), None)
     with pytest.raises(RuntimeError, match="residual"):
-        ops.f32_linear(x, packed, 64, None, torch.zeros(2, 64))
+        ops.linear(x, packed, 64, None, torch.zeros(2, 64))
     with pytest.raises(RuntimeError, match="float32"):
-        ops.f32_pack_weight(weight.bfloat16())
+        ops.pack_weight(weight.bfloat16())
 
 
 @pytest.mark.parametrize("rows", [1, 2, 13, 130])
@@ -121,35 +122,35 @@ def test_int8_linear_matches_exact_arithmetic(ops, rows, out_features, in_featur
     x = torch.randn(rows, in_features, generator=gen)
     bias = torch.randn(out_features, generator=gen)
     residual = torch.randn(rows, out_features, generator=gen)
-    packed = ops.int8_f32_pack_weight(q)
+    packed = ops.int8_pack_weight(q)
     weight = q.double() * scales.double()[:, None]  # what the int8 values stand for
 
-    out = ops.int8_f32_linear(x, packed, scales, out_features, bias, residual)
+    out = ops.int8_linear(x, packed, scales, out_features, bias, residual)
     assert out.shape == (rows, out_features)
     assert_float32_sums(out, expected(x, weight, bias, residual), in_features)
 
 
 def test_int8_linear_rejects_bad_input(ops):
-    packed = ops.int8_f32_pack_weight(torch.zeros(64, 32, dtype=torch.int8))
+    packed = ops.int8_pack_weight(torch.zeros(64, 32, dtype=torch.int8))
     x = torch.randn(3, 32)
     with pytest.raises(RuntimeError, match="scales"):
-        ops.int8_f32_linear(x, packed, torch.ones(64, dtype=torch.float64), 64, None, None)
+        ops.int8_linear(x, packed, torch.ones(64, dtype=torch.float64), 64, None, None)
     with pytest.raises(RuntimeError, match="int8_f32_pack_weight"):  # a float32 packing
-        ops.int8_f32_linear(x, ops.f32_pack_weight(torch.zeros(64, 32)), torch.ones(64), 64,
+        ops.int8_linear(x, ops.pack_weight(torch.zeros(64, 32)), torch.ones(64), 64,
                             None, None)
     with pytest.raises(RuntimeError, match="int8"):
-        ops.int8_f32_pack_weight(torch.zeros(64, 32))
+        ops.int8_pack_weight(torch.zeros(64, 32))
 
 
 # rows: 1 and 3 (multiplied directly), 13 and 130 (through a float32 copy of each panel)
 @pytest.mark.parametrize("rows", [1, 3, 13, 130])
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (37, 96)])
-def test_int4_linear_matches_exact_arithmetic(ops, rows, out_features, in_features):
+def test_int4_linear_matches_exact_arithmetic(ops, native, rows, out_features, in_features):
     """NativeInt4Weight packs; the kernel computes with the values it stands for,
     q * scale + min per group of 32 inputs."""
     gen = torch.Generator().manual_seed(rows + out_features)
     weight = torch.randn(out_features, in_features, generator=gen) / 10
-    fmt = NativeInt4Weight(ops, weight, torch.randn(out_features, generator=gen))
+    fmt = NativeInt4Weight(native, weight, torch.randn(out_features, generator=gen))
     groups = weight.view(out_features, -1, NativeInt4Weight.GROUP)
     low = groups.amin(-1, keepdim=True)
     step = (groups.amax(-1, keepdim=True) - low) / 15
@@ -160,13 +161,13 @@ def test_int4_linear_matches_exact_arithmetic(ops, rows, out_features, in_featur
                         in_features)
 
 
-def test_int4_linear_rejects_bad_input(ops):
-    fmt = NativeInt4Weight(ops, torch.randn(64, 64), None)
+def test_int4_linear_rejects_bad_input(ops, native):
+    fmt = NativeInt4Weight(native, torch.randn(64, 64), None)
     x = torch.randn(3, 64)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        ops.int4_f32_linear(x[:, :48], fmt.packed, fmt.scales, fmt.mins, 64, None, None)
+        ops.int4_linear(x[:, :48], fmt.packed, fmt.scales, fmt.mins, 64, None, None)
     with pytest.raises(RuntimeError, match="scales and mins"):
-        ops.int4_f32_linear(x, fmt.packed, fmt.scales[:, :1], fmt.mins, 64, None, None)
+        ops.int4_linear(x, fmt.packed, fmt.scales[:, :1], fmt.mins, 64, None, None)
     with pytest.raises(RuntimeError, match="int4 packing"):
-        ops.int4_f32_linear(x, fmt.packed.view(torch.int8), fmt.scales, fmt.mins, 64, None,
+        ops.int4_linear(x, fmt.packed.view(torch.int8), fmt.scales, fmt.mins, 64, None,
                             None)

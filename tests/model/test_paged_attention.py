@@ -1,4 +1,5 @@
-"""paged_attention == naive full causal attention, on random tensors (GQA, ragged batch)."""
+"""Paged attention == naive full causal attention, on random tensors (GQA, ragged batch), by
+each backend; the native kernels against SDPA and exact arithmetic."""
 
 from __future__ import annotations
 
@@ -8,8 +9,14 @@ import random
 import pytest
 import torch
 
-from tokenmill.models.attention import paged_attention, plan_attention
 from tokenmill.models.attention_metadata import AttentionMetadata
+from tokenmill.models.attention_native import (
+    NativeAttention,
+    NativeDecode,
+    NativeDecodePlan,
+    NativePrefillPlan,
+)
+from tokenmill.models.attention_sdpa import SdpaAttention, SdpaDecode
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 8, 4, 64
 
@@ -23,6 +30,15 @@ def naive_attention(q, k, v, ctx):
     query_pos = torch.arange(ctx, ctx + q.shape[0])[:, None]
     scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > query_pos, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
+
+
+def store_and_attend(backend, q, k, v, cache, plan):
+    """The backend's layer call on the new ``q, k, v`` as they are: their ``qkv`` with a
+    rotation by angle 0 (cos 1, sin 0: exact in every dtype)."""
+    num_tokens = q.shape[0]
+    qkv = torch.cat([t.reshape(num_tokens, -1) for t in (q, k, v)], dim=1)
+    cos = torch.ones(num_tokens, 1, q.shape[-1], dtype=q.dtype)
+    return backend(qkv, cos, torch.zeros_like(cos), cache, plan)
 
 
 def make_batch(seq_lens, query_lens, seed, head_dim=HEAD_DIM, num_blocks=NUM_BLOCKS):
@@ -70,15 +86,17 @@ CASES = {
 @pytest.mark.parametrize("backend", ["sdpa", "native"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_paged_attention_equals_naive(case, backend, request):
+    """float32: SDPA throughout, or the native decode kernel with SDPA prefills."""
     seq_lens, query_lens = CASES[case]
     cache, md, full_kv, qs = make_batch(seq_lens, query_lens, seed=len(case))
     q = torch.cat(qs)
     k = torch.cat([k[s - n :] for (k, _), s, n in zip(full_kv, seq_lens, query_lens, strict=True)])
     v = torch.cat([v[s - n :] for (_, v), s, n in zip(full_kv, seq_lens, query_lens, strict=True)])
-    kernel = (request.getfixturevalue("native").paged_decode_attention
-              if backend == "native" else None)
-    plan = plan_attention(md, torch.float32, cache.shape[1], kernel)
-    out = paged_attention(q, k, v, cache, plan, HEAD_DIM**-0.5)
+    attention = (NativeAttention(request.getfixturevalue("native"), HEADS, KV_HEADS, HEAD_DIM,
+                                 torch.float32)
+                 if backend == "native" else SdpaAttention(HEADS, KV_HEADS, HEAD_DIM,
+                                                           torch.float32))
+    out = store_and_attend(attention, q, k, v, cache, attention.plan(md, cache.shape[1]))
 
     expected = torch.cat([
         naive_attention(qi, ki, vi, s - n)
@@ -92,15 +110,34 @@ def test_paged_attention_equals_naive(case, backend, request):
 
 def test_plan_takes_the_batched_decode_path():
     """A pure-decode batch is planned as one padded call, masked only when lengths differ."""
+    attention = SdpaAttention(HEADS, KV_HEADS, HEAD_DIM, torch.float32)
     cache, md, _, _ = make_batch([1, 13, 6], [1, 1, 1], seed=0)
-    plan = plan_attention(md, torch.float32, cache.shape[1])
-    assert plan.prefills == [] and plan.decode_token_idx is None
-    assert plan.num_decode_seqs == 3 and plan.decode_len == 13
+    plan = attention.plan(md, cache.shape[1])
+    assert plan.prefill is None and plan.decode_token_idx is None
+    assert plan.decode.num_seqs == 3 and plan.decode.max_len == 13
     blocks = md.block_tables[:, :4].reshape(-1).tolist()  # keys' rows, then values'
-    assert plan.decode_block_ids.tolist() == blocks + [b + cache.shape[1] for b in blocks]
-    assert (plan.decode_mask[:, 0, 0] == 0).sum(-1).tolist() == [1, 13, 6]
+    assert plan.decode.block_ids.tolist() == blocks + [b + cache.shape[1] for b in blocks]
+    assert (plan.decode.mask[:, 0, 0] == 0).sum(-1).tolist() == [1, 13, 6]
     cache, md, _, _ = make_batch([9, 9], [1, 1], seed=0)
-    assert plan_attention(md, torch.float32, cache.shape[1]).decode_mask is None
+    assert attention.plan(md, cache.shape[1]).decode.mask is None
+
+
+def test_plan_of_a_mixed_batch_splits_decodes_from_prefills(native):
+    """Each sub-plan holds only its own sequences: the decodes' flat rows and lengths, the
+    prefills' query ranges."""
+    attention = NativeAttention(native, HEADS, KV_HEADS, 64, torch.bfloat16)
+    cache, md, _, _ = make_batch([25, 1, 9, 17, 3], [1, 1, 9, 5, 1], seed=0, head_dim=64)
+    plan = attention.plan(md, cache.shape[1])
+    assert plan.decode_token_idx.tolist() == [0, 1, 16]
+    assert isinstance(plan.decode, NativeDecodePlan)
+    assert plan.decode.seq_lens.tolist() == [25, 1, 3]
+    assert plan.decode.block_tables.dtype == torch.int32
+    if native.capabilities.prefill_attention(torch.bfloat16, 64):
+        assert isinstance(plan.prefill, NativePrefillPlan)
+        assert plan.prefill.query_ranges.tolist() == [[2, 11], [11, 16]]
+        assert plan.prefill.seq_lens.tolist() == [9, 17]
+    else:
+        assert [(seq.start, seq.end) for seq in plan.prefill] == [(2, 11), (11, 16)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -112,14 +149,12 @@ def test_native_decode_kernel_matches_sdpa_on_strided_queries(dtype, native):
     cache = cache.to(dtype) / 100
     qk = torch.randn(6, HEADS + KV_HEADS, HEAD_DIM).to(dtype)
     q = qk[:, :HEADS]  # not contiguous
-    out = native.paged_decode_attention(q, cache[0], cache[1], md.block_tables.to(torch.int32),
-                                        torch.tensor(md.seq_lens, dtype=torch.int32),
-                                        HEAD_DIM**-0.5)
-    k_new = v_new = torch.zeros(6, KV_HEADS, HEAD_DIM, dtype=dtype)
-    unused = sorted(set(range(NUM_BLOCKS)) - set(md.block_tables.flatten().tolist()))[0]
-    md.slot_mapping = torch.full((6,), unused * BLOCK_SIZE)  # the new k/v go where none looks
-    sdpa = paged_attention(q.contiguous(), k_new, v_new, cache,
-                           plan_attention(md, dtype, cache.shape[1]), HEAD_DIM**-0.5)
+    native_decode, sdpa_decode = NativeDecode(native), SdpaDecode(dtype)
+    out = native_decode(q, cache, native_decode.plan(md.block_tables, md.seq_lens, NUM_BLOCKS),
+                        HEAD_DIM**-0.5)
+    sdpa = sdpa_decode(q.contiguous(), cache,
+                       sdpa_decode.plan(md.block_tables, md.seq_lens, NUM_BLOCKS),
+                       HEAD_DIM**-0.5)
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(out.reshape(6, -1).float(), sdpa.float(),
                                atol=tolerance, rtol=tolerance)
@@ -181,7 +216,7 @@ PREFILL_CASES = {
 @pytest.mark.parametrize("case", list(PREFILL_CASES))
 def test_native_prefill_kernel_equals_naive(case, head_dim, native):
     """bfloat16 (the kernel's dtype): within the rounding of bfloat16 inputs and output."""
-    if native.paged_prefill_attention is None:
+    if not native.capabilities.prefill_attention(torch.bfloat16, head_dim):
         pytest.skip("this CPU has no AVX512-BF16: prefills take SDPA")
     seq_lens, query_lens = PREFILL_CASES[case]
     cache, md, full_kv, qs = make_batch(seq_lens, query_lens, seed=head_dim, head_dim=head_dim)
@@ -191,10 +226,10 @@ def test_native_prefill_kernel_equals_naive(case, head_dim, native):
     q = torch.cat(qs)
     k = torch.cat([k[s - n :] for (k, _), s, n in zip(full_kv, seq_lens, query_lens, strict=True)])
     v = torch.cat([v[s - n :] for (_, v), s, n in zip(full_kv, seq_lens, query_lens, strict=True)])
-    plan = plan_attention(md, torch.bfloat16, cache.shape[1], native.paged_decode_attention,
-                          native.paged_prefill_attention)
-    assert plan.prefills == [] and plan.native_prefill is not None
-    out = paged_attention(q, k, v, cache, plan, head_dim**-0.5)
+    attention = NativeAttention(native, HEADS, KV_HEADS, head_dim, torch.bfloat16)
+    plan = attention.plan(md, cache.shape[1])
+    assert isinstance(plan.prefill, NativePrefillPlan)
+    out = store_and_attend(attention, q, k, v, cache, plan)
 
     expected = torch.cat([
         naive_attention(qi, ki, vi, s - n)
@@ -204,9 +239,9 @@ def test_native_prefill_kernel_equals_naive(case, head_dim, native):
 
 
 def test_native_prefill_kernel_rejects_bad_input(native):
-    op = native.paged_prefill_attention
-    if op is None:
+    if not native.capabilities.prefill_attention(torch.bfloat16, 64):
         pytest.skip("this CPU has no AVX512-BF16: prefills take SDPA")
+    op = native.prefill_attention(torch.bfloat16, 64)
     bf16 = torch.bfloat16
     cache = torch.zeros(2, 4, BLOCK_SIZE, KV_HEADS, 64, dtype=bf16)
     q, out = torch.zeros(5, HEADS, 64, dtype=bf16), torch.zeros(5, HEADS * 64, dtype=bf16)

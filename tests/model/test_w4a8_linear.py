@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.models.weight_formats import NativeW4A8Weight, quantize_q4_1_panels
+from tokenmill.kernels.linear import NativeW4A8Weight
+from tokenmill.kernels.quantize import quantize_q4_1_panels
 
 BLOCK = 16  # inputs per activation scale
 GROUP = NativeW4A8Weight.GROUP
@@ -15,7 +16,7 @@ GROUP = NativeW4A8Weight.GROUP
 
 @pytest.fixture
 def ops(native):
-    if native.w4a8_linear is None:
+    if not native.capabilities.w4a8_linear:
         pytest.skip("the w4a8 kernel needs a CPU with AVX2, FMA and F16C")
     return native
 
@@ -112,16 +113,16 @@ def test_w4a8_recovers_q4_1_blocks(ops):
 
 def test_w4a8_rejects_bad_input(ops):
     fmt = NativeW4A8Weight(ops, torch.randn(64, 64), None)
-    x, params = torch.randn(3, 64), fmt.group_params
+    x, params, w4a8_linear = torch.randn(3, 64), fmt.group_params, ops.w4a8_linear()
     with pytest.raises(RuntimeError, match="float32"):
-        ops.w4a8_linear(x.bfloat16(), fmt.packed, params, 64, None, None)
+        w4a8_linear(x.bfloat16(), fmt.packed, params, 64, None, None)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        ops.w4a8_linear(x[:, :48], fmt.packed, params, 64, None, None)
+        w4a8_linear(x[:, :48], fmt.packed, params, 64, None, None)
     with pytest.raises(RuntimeError, match="NativeW4A8Weight"):
-        ops.w4a8_linear(x, fmt.packed.view(torch.int8), params, 64, None, None)
+        w4a8_linear(x, fmt.packed.view(torch.int8), params, 64, None, None)
     with pytest.raises(RuntimeError, match="group_params"):
-        ops.w4a8_linear(x, fmt.packed, params.float(), 64, None, None)
+        w4a8_linear(x, fmt.packed, params.float(), 64, None, None)
     with pytest.raises(RuntimeError, match="group_params"):
-        ops.w4a8_linear(x, fmt.packed, params[:, :1], 64, None, None)
+        w4a8_linear(x, fmt.packed, params[:, :1], 64, None, None)
     with pytest.raises(RuntimeError, match="residual"):
-        ops.w4a8_linear(x, fmt.packed, params, 64, None, torch.zeros(2, 64))
+        w4a8_linear(x, fmt.packed, params, 64, None, torch.zeros(2, 64))

@@ -4,7 +4,6 @@ precision, and the host's support decides which one a model gets."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import glob
 import json
 import os
@@ -16,24 +15,20 @@ from safetensors.torch import load_file
 
 from tokenmill.errors import InvalidParameterError
 from tokenmill.hardware import resolve_dtype
+from tokenmill.kernels.linear import (
+    NativeInt4Weight,
+    NativeInt8Weight,
+    NativeW4A8Weight,
+    NativeWeight,
+)
 from tokenmill.models import weight_formats
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.layers import Linear
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import load_model
 from tokenmill.models.perplexity import perplexity
-from tokenmill.models.weight_formats import (
-    Int4Weight,
-    Int8Weight,
-    NativeInt4Weight,
-    NativeInt8Weight,
-    NativeW4A8Weight,
-    NativeWeight,
-    OneDNNWeight,
-    choose_weight_format,
-    head_format,
-    onednn_supports,
-)
+from tokenmill.models.torch_weights import Int4Weight, Int8Weight, OneDNNWeight, onednn_supports
+from tokenmill.models.weight_formats import Int4Format, NativeInt4Format, choose_weight_format
 from tokenmill.tokenizer.tokenizer import load_tokenizer
 
 CPU = torch.device("cpu")
@@ -79,12 +74,13 @@ def test_onednn_bf16_matches_plain_bf16(tiny_model_dir, variant):
 
 
 @pytest.mark.parametrize("variant", ["llama", "llama_untied", "qwen2"])
-def test_native_bf16_matches_plain_bf16(tiny_model_dir, variant, native, monkeypatch):
-    if native.bf16_linear is None:
+def test_native_bf16_matches_plain_bf16(tiny_model_dir, variant, native):
+    if not native.capabilities.bf16_linear:
         pytest.skip("this CPU has no AVX512-BF16: the native bfloat16 kernel is not built")
-    monkeypatch.setattr(weight_formats, "cpu_has_amx", lambda: False)  # AMX keeps oneDNN
+    without_amx = dataclasses.replace(  # AMX keeps oneDNN
+        native, capabilities=dataclasses.replace(native.capabilities, amx=False))
     model_dir = tiny_model_dir(variant)
-    packed, _ = load_model(model_dir, BF16, CPU, native=native)
+    packed, _ = load_model(model_dir, BF16, CPU, kernels=without_amx)
     assert packed_formats(packed) == {NativeWeight}
 
     got = mixed_batch_logits(packed).float()
@@ -96,55 +92,12 @@ def test_native_bf16_matches_plain_bf16(tiny_model_dir, variant, native, monkeyp
     assert (got - reference).abs().mean() <= 1.25 * (plain - reference).abs().mean()
 
 
-def test_native_weights_only_where_their_kernels_run(native, monkeypatch):
-    """On the CPU with the native kernels, bfloat16 (and its int8 and int4) takes them where
-    the CPU has AVX512-BF16 (bfloat16 unquantized: and no AMX), float32 (and its int8) where
-    it has AVX2 without AVX-512; other dtypes, devices, and a host without the kernels keep
-    oneDNN's, plain or PyTorch's quantized weights."""
-    monkeypatch.setattr(weight_formats, "cpu_has_amx", lambda: False)
-    without = dataclasses.replace(native, bf16_pack_weight=None, bf16_linear=None,
-                                  int8_pack_weight=None, int8_linear=None, int4_linear=None,
-                                  f32_pack_weight=None, f32_linear=None,
-                                  int8_f32_pack_weight=None, int8_f32_linear=None,
-                                  int4_f32_linear=None)
-    for dtype in (BF16, torch.float32):
-        assert choose_weight_format(dtype, CPU, "none", without) is choose_weight_format(dtype,
-                                                                                         CPU)
-        assert choose_weight_format(dtype, CPU, "int8", without) is Int8Weight
-        assert choose_weight_format(dtype, CPU, "int4", without) is Int4Weight
-    assert choose_weight_format(BF16, torch.device("cuda"), "none", native) is None
-    weight = torch.zeros(32, 64)
-    if native.f32_linear is None:
-        assert choose_weight_format(torch.float32, CPU, "none", native) is OneDNNWeight
-        assert choose_weight_format(torch.float32, CPU, "int8", native) is Int8Weight
-        assert choose_weight_format(torch.float32, CPU, "int4", native) is Int4Weight
-    else:
-        fmt = choose_weight_format(torch.float32, CPU, "none", native)
-        assert isinstance(fmt(weight, None), NativeWeight)
-        fmt = choose_weight_format(torch.float32, CPU, "int8", native)
-        assert isinstance(fmt(weight, None), NativeInt8Weight)
-        fmt = choose_weight_format(torch.float32, CPU, "int4", native)
-        assert isinstance(fmt(weight, None), NativeInt4Weight)
-        assert isinstance(head_format(fmt)(weight, None), NativeInt8Weight)  # 8-bit head
-    if native.bf16_linear is not None:
-        weight = weight.to(BF16)
-        fmt = choose_weight_format(BF16, CPU, "none", native)
-        assert isinstance(fmt(weight, None), NativeWeight)
-        fmt = choose_weight_format(BF16, CPU, "int8", native)
-        assert isinstance(fmt(weight, None), NativeInt8Weight)
-        fmt = choose_weight_format(BF16, CPU, "int4", native)
-        assert isinstance(fmt(weight, None), NativeInt4Weight)
-        assert isinstance(head_format(fmt)(weight, None), NativeInt8Weight)  # 8-bit head
-        monkeypatch.setattr(weight_formats, "cpu_has_amx", lambda: True)  # AMX: oneDNN's
-        assert choose_weight_format(BF16, CPU, "none", native) is choose_weight_format(BF16, CPU)
-
-
 @pytest.mark.parametrize("variant", ["llama", "llama_untied", "qwen2"])
 def test_native_float32_matches_plain_float32(tiny_model_dir, variant, native):
-    if native.f32_linear is None:
+    if not native.capabilities.f32_linear:
         pytest.skip("this CPU has AVX-512 (or lacks AVX2/FMA): float32 keeps oneDNN's kernels")
     model_dir = tiny_model_dir(variant)
-    packed, _ = load_model(model_dir, torch.float32, CPU, native=native)
+    packed, _ = load_model(model_dir, torch.float32, CPU, kernels=native)
     assert packed_formats(packed) == {NativeWeight}
     torch.testing.assert_close(mixed_batch_logits(packed),
                                mixed_batch_logits(unpacked_model(model_dir, torch.float32)),
@@ -163,23 +116,23 @@ def test_onednn_float32_matches_plain_float32(tiny_model_dir, variant):
                                atol=1e-4, rtol=1e-4)
 
 
-def native_for(kernels: str, dtype: torch.dtype, request, op: str):
-    """The native ops for a ``kernels`` parametrization (None: PyTorch's); skips where this
-    CPU has no native ``op`` for ``dtype``."""
+def native_for(kernels: str, dtype: torch.dtype, request):
+    """The native kernels for a ``kernels`` parametrization (None: PyTorch's); skips where
+    this CPU has no native linear kernels for ``dtype``."""
     if kernels == "torch":
         return None
     native = request.getfixturevalue("native")
-    if getattr(native, op) is None:
-        pytest.skip(f"this CPU has no native {op}: {dtype} takes PyTorch's kernel")
+    if not native.capabilities.linear(dtype):
+        pytest.skip(f"this CPU has no native linear kernels for {dtype}: PyTorch's run")
     return native
 
 
 @pytest.mark.parametrize("kernels", ["torch", "native"])
 @pytest.mark.parametrize("variant", ["llama", "llama_untied", "qwen2"])
-@pytest.mark.parametrize("dtype,op", [(BF16, "int8_linear"), (torch.float32, "int8_f32_linear")])
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
 def test_int8_weights_match_float32_within_quantization_error(tiny_model_dir, variant, kernels,
-                                                              dtype, op, request):
-    native = native_for(kernels, dtype, request, op)
+                                                              dtype, request):
+    native = native_for(kernels, dtype, request)
     model_dir = tiny_model_dir(variant)
     quantized, _ = load_model(model_dir, dtype, CPU, "int8", native)
     assert packed_formats(quantized) == {NativeInt8Weight if native else Int8Weight}
@@ -190,10 +143,10 @@ def test_int8_weights_match_float32_within_quantization_error(tiny_model_dir, va
 
 @pytest.mark.parametrize("kernels", ["torch", "native"])
 @pytest.mark.parametrize("variant", ["llama", "llama_untied", "qwen2"])
-@pytest.mark.parametrize("dtype,op", [(BF16, "int4_linear"), (torch.float32, "int4_f32_linear")])
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
 def test_int4_weights_match_float32_within_quantization_error(tiny_model_dir, variant, kernels,
-                                                              dtype, op, request):
-    native = native_for(kernels, dtype, request, op)
+                                                              dtype, request):
+    native = native_for(kernels, dtype, request)
     model_dir = tiny_model_dir(variant)
     quantized, _ = load_model(model_dir, dtype, CPU, "int4", native)
     # the head keeps 8 bits
@@ -206,12 +159,12 @@ def test_int4_weights_match_float32_within_quantization_error(tiny_model_dir, va
 
 
 @pytest.mark.parametrize("kernels", ["torch", "native"])
-@pytest.mark.parametrize("dtype,op", [(BF16, "int4_linear"), (torch.float32, "int4_f32_linear")])
-def test_int4_recovers_the_4_bit_values_of_q4_1_blocks(kernels, dtype, op, request):
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_int4_recovers_the_4_bit_values_of_q4_1_blocks(kernels, dtype, request):
     """Weights dequantized from GGUF Q4_1 blocks (fp16 scale d and minimum m per 32 inputs,
     w = d * q + m) come back as the same q: PyTorch's kernel in bfloat16 rounds d and m to
     bfloat16, the native kernels and float32 keep them."""
-    native = native_for(kernels, dtype, request, op)
+    native = native_for(kernels, dtype, request)
     gen = torch.Generator().manual_seed(0)
     out_features, in_features = 48, 96
     groups = in_features // Int4Weight.GROUP
@@ -221,19 +174,21 @@ def test_int4_recovers_the_4_bit_values_of_q4_1_blocks(kernels, dtype, op, reque
     # a block's minimum is about -7.5 steps: its weights straddle 0
     m = (-7.5 * d + torch.randn(out_features, groups, 1, generator=gen) * d).half().float()
     weight = (d * q + m).view(out_features, in_features)
-    fmt = Int4Weight if native is None else functools.partial(NativeInt4Weight, native)
-    dequantized = fmt(weight.to(dtype), None)(torch.eye(in_features, dtype=dtype)).float().t()
+    fmt = Int4Format() if native is None else NativeInt4Format(native)
+    packed = fmt.pack(weight.to(dtype), None)
+    dequantized = packed(torch.eye(in_features, dtype=dtype)).float().t()
     step = d.expand(-1, -1, Int4Weight.GROUP).reshape(out_features, in_features)
     assert ((dequantized - weight).abs() / step).max() < 0.1  # bfloat16 rounding, not a step
 
 
 @pytest.mark.parametrize("variant", ["llama", "llama_untied", "qwen2"])
 def test_w4a8_matches_float32_within_quantization_error(tiny_model_dir, variant, native):
-    if native.w4a8_linear is None:
+    if not native.capabilities.w4a8_linear:
         pytest.skip("the w4a8 kernel needs a CPU with AVX2, FMA and F16C")
     model_dir = tiny_model_dir(variant)
     quantized, _ = load_model(model_dir, torch.float32, CPU, "w4a8", native)
-    head = NativeInt8Weight if native.int8_f32_linear else Int8Weight  # 8 bits, float32 x
+    # 8 bits, float32 activations
+    head = NativeInt8Weight if native.capabilities.f32_linear else Int8Weight
     assert packed_formats(quantized) == {NativeW4A8Weight, head}
     got = mixed_batch_logits(quantized)
     reference = mixed_batch_logits(unpacked_model(model_dir, torch.float32))
@@ -242,7 +197,8 @@ def test_w4a8_matches_float32_within_quantization_error(tiny_model_dir, variant,
 
 
 def test_w4a8_runs_only_as_its_native_kernel(native):
-    without = dataclasses.replace(native, w4a8_linear=None)
+    without = dataclasses.replace(
+        native, capabilities=dataclasses.replace(native.capabilities, w4a8_linear=False))
     with pytest.raises(InvalidParameterError, match="AVX2, FMA and F16C") as info:
         choose_weight_format(torch.float32, CPU, "w4a8", without)
     assert info.value.param == "quantization"
@@ -260,11 +216,11 @@ def test_int4_rejects_shapes_its_kernel_cannot_pack(native):
         Int4Weight(torch.zeros(16, 48), None)  # 48 inputs: not a multiple of 32
     with pytest.raises(InvalidParameterError, match="use int8"):
         Int4Weight(torch.zeros(24, 64), None)  # 24 outputs: not a multiple of 16
-    if native.int4_linear is not None:
+    if native.capabilities.bf16_linear:
         with pytest.raises(InvalidParameterError, match="use int8"):
             NativeInt4Weight(native, torch.zeros(16, 48, dtype=BF16), None)
         assert NativeInt4Weight(native, torch.zeros(24, 64, dtype=BF16), None).packed.shape[0] == 1
-    if native.int4_f32_linear is not None:
+    if native.capabilities.f32_linear:
         with pytest.raises(InvalidParameterError, match="use int8"):
             NativeInt4Weight(native, torch.zeros(16, 48), None)
         assert NativeInt4Weight(native, torch.zeros(24, 64), None).packed.shape[0] == 2
@@ -301,7 +257,7 @@ def test_quantized_perplexity_of_smollm2_within_two_percent(native):
     exact = perplexity(load_model(None, torch.float32, CPU)[0], token_ids)
     assert 5 < exact < 20  # the model reads English: a sanity bound on the measure itself
     for quantization in ("int8", "int4", "w4a8"):
-        if quantization == "w4a8" and native.w4a8_linear is None:
+        if quantization == "w4a8" and not native.capabilities.w4a8_linear:
             continue  # its kernel needs AVX2 and FMA
         model = load_model(None, resolve_dtype("auto", CPU, quantization), CPU, quantization,
                            native)[0]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tokenmill.engine.sampler import Sampler, SamplingBatch
+from tokenmill.kernels import choose_kernels
 from tokenmill.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -198,3 +199,25 @@ def test_logprobs_are_raw_log_softmax(device) -> None:
     assert third.rank == 1 and third.top == ()
     assert third.token_id == logits[2].argmax().item()
     assert third.logprob == pytest.approx(raw[2].max().item(), abs=1e-5)
+
+
+def test_native_kernels_pick_what_pytorch_picks() -> None:
+    """With the native kernels, an all-greedy batch takes ``argmax_rows`` and a batch of
+    temperatures alone ``sample_rows``, over bfloat16 logits as they are: greedy tokens are
+    PyTorch's exactly; sampled ones too at the same seeded u, but for a row whose u falls
+    where the two float32 cumulative sums round to different sides of a boundary."""
+    kernels = choose_kernels("auto", torch.device("cpu"))
+    if kernels is None:
+        pytest.skip("the native kernels do not build here")
+    logits = random_logits(64, 500, seed=3).to(torch.bfloat16)
+    for params in ([SamplingParams(temperature=0.0)] * 64,
+                   [SamplingParams(temperature=0.8, seed=i) for i in range(64)],
+                   [SamplingParams(temperature=0.0 if i % 3 else 1.2, seed=i)
+                    for i in range(64)]):
+        positions = [[]] * 64
+        native = sample(logits, params, sampler=Sampler(kernels),
+                        output_token_ids=positions).token_ids
+        pytorch = sample(logits, params, output_token_ids=positions).token_ids
+        assert sum(a != b for a, b in zip(native, pytorch, strict=True)) <= 1
+        greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
+        assert [native[i] for i in greedy] == [pytorch[i] for i in greedy]

@@ -37,16 +37,18 @@ def build_engine(config: EngineConfig) -> Engine:
         torch.set_num_threads(config.num_threads)
     device = pick_device() if config.device == "auto" else torch.device(config.device)
     dtype = resolve_dtype(config.dtype, device, config.quantization)
+    kernels = choose_kernels(config.kernels, device)
     model, model_config = load_model(config.model, dtype, device, config.quantization,
-                                     choose_kernels(config.kernels, device))
+                                     kernels)
     max_model_len = _max_model_len(config, model_config)
     num_blocks = _num_kv_blocks(config, model_config, dtype, max_model_len)
-    runner = ModelRunner(model, device, dtype, num_blocks, config.block_size, seed=config.seed)
+    runner = ModelRunner(model, device, dtype, num_blocks, config.block_size, seed=config.seed,
+                         kernels=kernels)
     core = EngineCore(config, runner, num_blocks, max_model_len)
     logger.info("model %s on %s (%s, quantization %s, kernels %s): %d KV blocks of %d "
                 "tokens, max_model_len %d", model_name_for(config.model), device,
                 str(dtype).removeprefix("torch."), config.quantization,
-                "native" if model.native_ops else "torch", num_blocks,
+                "torch" if kernels is None else "native", num_blocks,
                 config.block_size, max_model_len)
     info = EngineInfo(model_name_for(config.model), max_model_len, model_config.vocab_size,
                       num_blocks * config.block_size)

@@ -21,21 +21,24 @@ import torch
 from tokenmill.core.spec_decode import accept_drafts, verify_rows
 from tokenmill.core.types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.engine.sampler import Sampler, SamplingBatch
+from tokenmill.kernels import NativeKernels
 from tokenmill.models.attention_metadata import AttentionMetadata
 
 
 class ModelRunner:
+    """``kernels``: the engine's native kernels (the model's, which its sampler uses
+    too), or None for PyTorch's ops."""
+
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
-                 num_kv_blocks: int, block_size: int, seed: int = 0) -> None:
+                 num_kv_blocks: int, block_size: int, seed: int = 0,
+                 kernels: NativeKernels | None = None) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
         shape = model.kv_cache_shape(num_kv_blocks, block_size)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                           for _ in range(model.config.num_hidden_layers)]
-        native = model.native_ops
-        self.sampler = (Sampler(argmax=native.argmax_rows, sample=native.sample_rows)
-                        if native is not None else Sampler())
+        self.sampler = Sampler(kernels)
         self.vocab_size = model.config.vocab_size
         torch.manual_seed(seed)
 

@@ -24,24 +24,24 @@ no generator state to keep across steps, preemptions or speculative drafts. Unse
 rows draw from torch's default generator.
 
 Logits may come in the model's dtype (bfloat16, say): an all-greedy batch takes the
-argmax of them as they are (``argmax``: the engine's native kernel where it has one; a
-conversion to float32 is exact, so the answer is the same), and with the engine's native
-``sample`` kernel a batch that uses nothing but temperatures samples them as they are
-(the same inversion of the cumulative distribution at the same u, in one pass over each
-row); everything else widens them to float32 first.
+argmax of them as they are (the native ``argmax_rows`` where the engine has the native
+kernels; a conversion to float32 is exact, so the answer is the same), and with the native
+``sample_rows`` a batch that uses nothing but temperatures samples them as they are (the
+same inversion of the cumulative distribution at the same u, in one pass over each row);
+everything else widens them to float32 first.
 
 NOTE: the sampler writes into ``logits`` in place; callers pass a tensor they no longer need.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from tokenmill.core.types import TokenLogprob
 from tokenmill.engine.sampling_batch import PenaltySettings, SamplingBatch
+from tokenmill.kernels import NativeKernels
 
 # Top-p first looks for its cut among this many most likely tokens, and sorts the whole
 # vocabulary only for a row whose candidates hold less than its top_p.
@@ -56,17 +56,12 @@ class SamplerOutput:
 
 class Sampler:
     """Every setting arrives in the ``SamplingBatch``; the only state is one scratch
-    generator per device, reseeded for each seeded row. ``argmax``: a row-wise argmax
-    for logits of any float dtype (``tokenmill.kernels``' ``argmax_rows``), or None for
-    PyTorch's, over float32; ``sample``: ``tokenmill.kernels``' ``sample_rows``, for
-    batches that use nothing but temperatures, or None."""
+    generator per device, reseeded for each seeded row. ``kernels``: the engine's native
+    kernels (their ``argmax_rows`` and ``sample_rows``), or None for PyTorch's ops."""
 
-    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 sample: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-                 | None = None) -> None:
+    def __init__(self, kernels: NativeKernels | None = None) -> None:
         self._generators: dict[torch.device, torch.Generator] = {}
-        self._argmax = argmax
-        self._sample_native = sample  # (logits, temperature [B], u [B]) -> token ids
+        self._kernels = kernels
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -78,11 +73,11 @@ class Sampler:
         plain = batch.penalties is None and batch.banned is None and batch.logprob_rows is None
         if plain and batch.all_greedy:
             return SamplerOutput(self._greedy(logits).tolist(), [None] * batch.num_rows)
-        if (plain and self._sample_native is not None and batch.min_p is None
+        if (plain and self._kernels is not None and batch.min_p is None
                 and batch.top_k is None and batch.top_p_rows is None):
             assert batch.temperature is not None, "built whenever a row samples"
-            tokens = self._sample_native(logits, batch.temperature.view(-1),
-                                         self._uniforms(batch, logits.device).view(-1))
+            tokens = self._kernels.sample_rows(logits, batch.temperature.view(-1),
+                                               self._uniforms(batch, logits.device).view(-1))
             if batch.greedy is not None:
                 tokens = torch.where(batch.greedy, self._greedy(logits), tokens)
             return SamplerOutput(tokens.tolist(), [None] * batch.num_rows)
@@ -101,7 +96,9 @@ class Sampler:
         return SamplerOutput(token_ids, _gather_logprobs(raw_logprobs, token_ids, batch))
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
-        return self._argmax(logits) if self._argmax is not None else logits.float().argmax(-1)
+        if self._kernels is not None:
+            return self._kernels.argmax_rows(logits)
+        return logits.float().argmax(-1)
 
     def _uniforms(self, batch: SamplingBatch, device: torch.device) -> torch.Tensor:
         """``[B, 1]``: each sampling row's u in [0, 1), from its seed where it has one."""

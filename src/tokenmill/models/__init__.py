@@ -1,8 +1,9 @@
 """Model runtime: plain ``nn.Module``s with an explicit paged-attention forward.
 
-    loader.load_model(path, dtype, device, quantization="none", native=None)
+    loader.load_model(path, dtype, device, quantization="none", kernels=None)
         -> (model, ModelConfig)
-        (projections in the weight format ``weight_formats.choose_weight_format`` picks)
+        (projections in the weight format ``weight_formats.choose_weight_format`` picks;
+        attention and layer ops by ``kernels``, the engine's native ones or, None, PyTorch's)
     model(input_ids [T], positions [T], AttentionMetadata, kv_caches) -> hidden [T, H]
     model.compute_logits(hidden [N, H], widen=True) -> logits [N, V] (float32 when widened)
     model.kv_cache_shape(num_blocks, block_size) -> one layer's cache shape

@@ -40,8 +40,3 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
-
-    @property
-    def is_pure_decode(self) -> bool:
-        """Every sequence adds exactly one token (the batched fast path)."""
-        return all(q == 1 for q in self.query_lens)

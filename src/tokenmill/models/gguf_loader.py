@@ -20,7 +20,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
-from tokenmill.models.config import ModelConfig, ModelLoadError
+from tokenmill.errors import ModelLoadError
+from tokenmill.models.config import ModelConfig
 
 SUPPORTED_TYPES = (
     GGMLQuantizationType.F32,

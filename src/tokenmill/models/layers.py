@@ -13,16 +13,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.kernels import NativeOps
+from tokenmill.models.layer_ops import LayerOps
 from tokenmill.models.weight_formats import PackedWeight, WeightFormat
 
 
 class Linear(nn.Module):
-    """``y = x @ weight.T + bias``; after loading, optionally in a packed weight format.
+    """``y = x @ weight.T + bias``; after loading, in the weight format it is built with.
 
-    ``pack(fmt)`` converts the weight once into a ``weight_formats`` form (a kernel's own
-    layout, or int8/int4 with scales) whose kernels compute the same product faster.
-    Invariant: after ``pack`` the plain weight is released (an empty tensor): the module
+    ``pack()`` converts the loaded weight once into ``weight_format`` (a kernel's own
+    layout, or int8/int4 with scales), whose kernels compute the same product faster; with
+    no format (None) the module keeps the plain weight and ``F.linear``. Invariant: after
+    ``pack`` with a format the plain weight is released (an empty tensor): the module
     computes, it no longer loads weights.
     """
 
@@ -33,6 +34,7 @@ class Linear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
+        weight_format: WeightFormat | None = None,
     ):
         super().__init__()
         self.weight = nn.Parameter(
@@ -41,6 +43,7 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         )
+        self.weight_format = weight_format
         self.packed: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -54,27 +57,28 @@ class Linear(nn.Module):
             return self.packed.add(x, residual)
         return residual + F.linear(x, self.weight, self.bias)
 
-    def pack(self, fmt: WeightFormat) -> None:
-        self.packed = fmt(self.weight.data, None if self.bias is None else self.bias.data)
+    def pack(self) -> None:
+        """Convert the loaded weight into ``weight_format``; call once, after loading."""
+        if self.weight_format is None:
+            return
+        bias = None if self.bias is None else self.bias.data
+        self.packed = self.weight_format.pack(self.weight.data, bias)
         self.weight.data = self.weight.data.new_empty(0)
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension, computed in float32.
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension, computed in float32,
+    by ``ops.rms_norm`` (see ``layer_ops``)."""
 
-    ``native``: the engine's compiled ops (``tokenmill.kernels``), or None for PyTorch's."""
-
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device,
+                 ops: LayerOps):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device))
         self.eps = eps
-        self.shape = (hidden_size,)
-        self.native: NativeOps | None = None
+        self._rms_norm = ops.rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native is not None:
-            return self.native.rms_norm(x, self.weight, self.eps)
-        return F.rms_norm(x, self.shape, self.weight, self.eps)
+        return self._rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -161,19 +165,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class GatedMLP(nn.Module):
     """``residual + down(silu(gate(x)) * up(x))`` with gate and up fused in one ``[2I, H]``
-    projection. ``native``: as ``RMSNorm``'s."""
+    projection; the gate by ``ops.silu_and_mul`` (see ``layer_ops``)."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: torch.device
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        ops: LayerOps,
+        weight_format: WeightFormat | None = None,
     ):
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, dtype, device)
-        self.down_proj = Linear(intermediate_size, hidden_size, False, dtype, device)
-        self.native: NativeOps | None = None
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, dtype, device,
+                                   weight_format)
+        self.down_proj = Linear(intermediate_size, hidden_size, False, dtype, device,
+                                weight_format)
+        self._silu_and_mul = ops.silu_and_mul
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.native is not None:
-            return self.down_proj.forward_add(self.native.silu_and_mul(gate_up), residual)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj.forward_add(F.silu(gate) * up, residual)
+        return self.down_proj.forward_add(self._silu_and_mul(self.gate_up_proj(x)), residual)

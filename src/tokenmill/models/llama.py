@@ -11,24 +11,22 @@ projections, filled shard by shard by ``load_weights``::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.kernels import NativeOps
-from tokenmill.models.attention import AttentionPlan, attend, paged_attention, plan_attention
+from tokenmill.kernels import NativeKernels
+from tokenmill.models.attention import AttentionBackend, AttentionPlan
 from tokenmill.models.attention_metadata import AttentionMetadata
-from tokenmill.models.config import ModelConfig, ModelLoadError
-from tokenmill.models.layers import (
-    GatedMLP,
-    Linear,
-    RMSNorm,
-    RotaryEmbedding,
-    apply_rotary,
-)
-from tokenmill.models.weight_formats import PackedWeight, WeightFormat, head_format
+from tokenmill.models.attention_native import NativeAttention
+from tokenmill.models.attention_sdpa import SdpaAttention
+from tokenmill.errors import ModelLoadError
+from tokenmill.models.config import ModelConfig
+from tokenmill.models.layer_ops import LayerOps, layer_ops
+from tokenmill.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from tokenmill.models.weight_formats import PackedWeight, WeightFormat
 
 # Hugging Face projection name -> (our fused projection, shard index in it).
 PACKED_WEIGHTS = {
@@ -43,19 +41,19 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+    """``residual + o_proj(attention(qkv_proj(x)))``, the attention by the model's
+    ``AttentionBackend`` (shared by its layers)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 attention: AttentionBackend, weight_format: WeightFormat | None):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
-        self.qkv_proj = Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype, device
-        )
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, device)
-        self.native: NativeOps | None = None  # rotary + KV store in one pass when set
+        q_size = cfg.num_attention_heads * cfg.head_dim
+        kv_size = cfg.num_key_value_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, cfg.attention_bias, dtype,
+                               device, weight_format)
+        self.o_proj = Linear(q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, device,
+                             weight_format)
+        self.attention = attention
 
     def forward(
         self,
@@ -66,35 +64,21 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         plan: AttentionPlan,
     ) -> torch.Tensor:
-        """``residual + attention(x)``."""
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
-        qk_size = self.q_size + self.kv_size
-        if self.native is not None:
-            self.native.rotary_store_kv(qkv, cos, sin, kv_cache[0], kv_cache[1],
-                                        plan.slot_mapping, self.num_heads, self.num_kv_heads)
-            q = qkv[:, :self.q_size].view(num_tokens, -1, self.head_dim)
-            k = v = None  # read from the cache, except by prefills attending over SDPA
-            if plan.prefills:
-                k, v = (qkv[:, lo:hi].view(num_tokens, -1, self.head_dim)
-                        for lo, hi in ((self.q_size, qk_size), (qk_size, qkv.shape[1])))
-            attn = attend(q, k, v, kv_cache, plan, self.scale)
-            return self.o_proj.forward_add(attn, residual)
-        # q and k rotated together: [T, heads + kv_heads, D]
-        qk = apply_rotary(qkv[:, :qk_size].view(num_tokens, -1, self.head_dim), cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        attn = paged_attention(q, k, v, kv_cache, plan, self.scale)
+        attn = self.attention(self.qkv_proj(x), cos, sin, kv_cache, plan)
         return self.o_proj.forward_add(attn, residual)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 attention: AttentionBackend, ops: LayerOps,
+                 weight_format: WeightFormat | None):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(cfg, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, ops)
+        self.self_attn = LlamaAttention(cfg, dtype, device, attention, weight_format)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, ops)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, ops,
+                            weight_format)
 
     def forward(
         self,
@@ -109,7 +93,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 attention: AttentionBackend, ops: LayerOps,
+                 weight_format: WeightFormat | None):
         super().__init__()
         self.embed_tokens = nn.utils.skip_init(
             nn.Embedding, cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device
@@ -119,26 +105,36 @@ class LlamaModel(nn.Module):
             dtype, device,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, dtype, device, attention, ops, weight_format)
+            for _ in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Qwen2 causal LM over a paged KV cache (one cache tensor per layer)."""
+    """Llama / Qwen2 causal LM over a paged KV cache (one cache tensor per layer).
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+    Built for its kernels: ``kernels`` (the engine's native ones, None: PyTorch's) fix
+    its attention backend and layer ops, ``weight_format`` (``choose_weight_format``'s;
+    None: plain weights) its projections' and output head's format; neither changes
+    afterwards."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 kernels: NativeKernels | None = None,
+                 weight_format: WeightFormat | None = None):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, dtype, device)
+        self.attention = _attention_backend(config, dtype, kernels)
+        self.model = LlamaModel(config, dtype, device, self.attention, layer_ops(kernels),
+                                weight_format)
+        self.weight_format = weight_format
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+            else Linear(config.hidden_size, config.vocab_size, False, dtype, device,
+                        None if weight_format is None else weight_format.head)
         )
         self.packed_tied_head: PackedWeight | None = None
-        self.native_ops: NativeOps | None = None  # see ``use_native_ops``
-        self.native_prefill: Callable | None = None  # its prefill attention, where it applies
         q = config.num_attention_heads * config.head_dim
         kv = config.num_key_value_heads * config.head_dim
         inter = config.intermediate_size
@@ -163,28 +159,12 @@ class LlamaForCausalLM(nn.Module):
         Also writes each layer's new keys/values into ``kv_caches`` at the metadata's slots.
         """
         assert len(kv_caches) == len(self.model.layers), "one KV cache tensor per layer"
-        plan = plan_attention(attn_metadata, self.model.embed_tokens.weight.dtype,
-                              kv_caches[0].shape[1],
-                              self.native_ops and self.native_ops.paged_decode_attention,
-                              self.native_prefill)
+        plan = self.attention.plan(attn_metadata, kv_caches[0].shape[1])
         cos, sin = self.model.rotary_emb.cos_sin(positions)
         h = self.model.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             h = layer(h, cos, sin, kv_cache, plan)
         return self.model.norm(h)
-
-    def use_native_ops(self, ops: NativeOps | None) -> None:
-        """Compute attention, norms, rotary and the SiLU gate with ``tokenmill.kernels``'
-        compiled ops (None: PyTorch's own, the default)."""
-        self.native_ops = ops
-        # the prefill kernel computes bfloat16 heads of 64 or 128
-        self.native_prefill = (
-            ops.paged_prefill_attention
-            if ops is not None and self.model.embed_tokens.weight.dtype == torch.bfloat16
-            and self.config.head_dim in (64, 128) else None)
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, GatedMLP, LlamaAttention)):
-                module.native = ops
 
     def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:
         """Logits ``[N, V]`` for the hidden rows ``[N, H]`` to sample from: float32, or with
@@ -198,15 +178,16 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(hidden, self.model.embed_tokens.weight)
         return logits.float() if widen else logits
 
-    def pack(self, fmt: WeightFormat) -> None:
-        """Convert every projection to the weight format ``fmt`` (see ``weight_formats``);
-        call once, after ``load_weights``. The output head takes ``head_format(fmt)``; a tied
-        one gets a packed copy of the embedding, which the token lookup still needs."""
+    def pack(self) -> None:
+        """Convert every projection to the model's weight format (see ``weight_formats``);
+        call once, after ``load_weights``. The output head takes the format's ``head``; a
+        tied one gets a packed copy of the embedding, which the token lookup still needs."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack(head_format(fmt) if module is self.lm_head else fmt)
-        if self.lm_head is None:
-            self.packed_tied_head = head_format(fmt)(self.model.embed_tokens.weight.data, None)
+                module.pack()
+        if self.lm_head is None and self.weight_format is not None:
+            self.packed_tied_head = self.weight_format.head.pack(
+                self.model.embed_tokens.weight.data, None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the parameters (cast to their dtype/device).
@@ -249,6 +230,14 @@ class LlamaForCausalLM(nn.Module):
             for hf in unfused.get(parts[-2], [parts[-2]]):
                 names.add(".".join([*parts[:-2], hf, parts[-1]]))
         return names
+
+
+def _attention_backend(config: ModelConfig, dtype: torch.dtype,
+                       kernels: NativeKernels | None) -> AttentionBackend:
+    heads = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+    if kernels is None:
+        return SdpaAttention(*heads, dtype)
+    return NativeAttention(kernels, *heads, dtype)
 
 
 def _fused_name(hf_name: str) -> tuple[str, int | None]:

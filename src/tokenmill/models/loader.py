@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.kernels import NativeOps
+from tokenmill.kernels import NativeKernels
 from tokenmill.model_source import default_model_path
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.gguf_loader import open_gguf
@@ -33,15 +33,15 @@ from tokenmill.models.weight_formats import choose_weight_format
 
 def load_model(
     path: str | None, dtype: torch.dtype, device: torch.device, quantization: str = "none",
-    native: NativeOps | None = None,
+    kernels: NativeKernels | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model for ``path`` on ``device`` in ``dtype``, weights loaded, eval mode,
     its projections in the weight format ``weight_formats.choose_weight_format`` picks, and
-    computing with the native kernels ``native`` (``tokenmill.kernels``; None: PyTorch's).
+    computing with the native kernels ``kernels`` (``tokenmill.kernels``; None: PyTorch's).
 
     Raises ``InvalidParameterError`` (before reading any weight) for a ``quantization``
     this device or dtype cannot run."""
-    weight_format = choose_weight_format(dtype, device, quantization, native)
+    weight_format = choose_weight_format(dtype, device, quantization, kernels)
     path = default_model_path() if path is None else path
     if not os.path.exists(path):
         raise ModelLoadError(f"model path not found: {path}")
@@ -53,12 +53,10 @@ def load_model(
         model_cls = resolve_model_class(config.architecture)
     except ValueError as e:
         raise ModelLoadError(str(e)) from None
-    model = model_cls(config, dtype, device)
+    model = model_cls(config, dtype, device, kernels, weight_format)
     model.load_weights(weights)
     model.requires_grad_(False)
-    if weight_format is not None:
-        model.pack(weight_format)
-    model.use_native_ops(native)
+    model.pack()
     return model.eval(), config
 
 

@@ -1,0 +1,63 @@
+"""What the native kernels can do on this CPU, as this build compiled them.
+
+Every build has the kernels for attention over decodes, RMSNorm, the SiLU gate, rotary
+embedding with the KV store, and sampling. The others exist only where ``-march=native``
+gives the compiler the instructions they are written in (each ``.cpp`` compiles them
+under an ``#if`` on those): ``KernelCapabilities`` records which, once, and everything that
+chooses a kernel asks it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.hardware import cpu_has_amx
+
+# The head sizes paged_prefill_attention.cpp computes.
+PREFILL_HEAD_DIMS = frozenset({64, 128})
+
+
+@dataclass(frozen=True, slots=True)
+class KernelCapabilities:
+    """Invariant: a capability that is False is never chosen (weight format, attention),
+    and its op is not registered in this build."""
+
+    bf16_linear: bool
+    """Linear layers over bfloat16, int8 or int4 weights, bfloat16 activations
+    (AVX512-BF16 and AVX512-BW)."""
+    f32_linear: bool
+    """Linear layers over float32, int8 or int4 weights, float32 activations (AVX2 and FMA
+    without AVX-512F: where oneDNN has AVX-512 its own kernels are twice this one's peak)."""
+    w4a8_linear: bool
+    """4-bit weights times float32 activations quantized to int8 per block of 16 inputs,
+    multiplied as integers (AVX2, FMA and F16C)."""
+    prefill_attention_head_dims: frozenset[int]
+    """Head sizes of the causal prefill attention kernel, bfloat16 only (AVX512-BF16);
+    empty without it."""
+    amx: bool
+    """The CPU has AMX-BF16 tiles: oneDNN multiplies a prefill's bfloat16 rows with them
+    several times faster than ``bf16_linear`` can, so bfloat16 weights keep oneDNN there."""
+
+    @classmethod
+    def of_loaded_library(cls) -> KernelCapabilities:
+        """The capabilities of the build ``build.load_library()`` loaded."""
+        ops = torch.ops.tokenmill
+        bf16 = hasattr(ops, "bf16_linear")
+        return cls(bf16_linear=bf16, f32_linear=hasattr(ops, "f32_linear"),
+                   w4a8_linear=hasattr(ops, "w4a8_linear"),
+                   prefill_attention_head_dims=(
+                       PREFILL_HEAD_DIMS if hasattr(ops, "paged_prefill_attention")
+                       else frozenset()),
+                   amx=cpu_has_amx())
+
+    def linear(self, dtype: torch.dtype) -> bool:
+        """Whether the native float, int8 and int4 linear kernels take ``dtype``
+        activations (bfloat16: ``bf16_linear``; float32: ``f32_linear``)."""
+        return ((dtype == torch.bfloat16 and self.bf16_linear)
+                or (dtype == torch.float32 and self.f32_linear))
+
+    def prefill_attention(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether the prefill attention kernel computes ``dtype`` heads of ``head_dim``."""
+        return dtype == torch.bfloat16 and head_dim in self.prefill_attention_head_dims

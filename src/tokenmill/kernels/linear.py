@@ -1,0 +1,125 @@
+"""Projections packed for the native linear kernels: each class converts one plain ``[out,
+in]`` weight (and its bias) into its kernel's layout once, binds that kernel, and then
+computes ``x @ W.T + bias`` (``__call__``) and ``residual + x @ W.T + bias`` (``add``, one
+kernel and one rounding) with nothing between the call and the op.
+
+The kernels read the weight once per call and keep memory streaming while they compute:
+bfloat16 activations in panels of 32 outputs in VDPBF16PS's pair layout (AVX512-BF16),
+float32 ones in panels of 16 for 8-lane FMA (AVX2). int8 and int4 weights are widened in
+registers and scaled in float32. A constructor raises ``KernelUnavailableError`` where
+``KernelCapabilities`` says the kernel it needs is not in this build.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.kernels.native import NativeKernels
+from tokenmill.kernels.quantize import check_int4_shape, quantize_int8_rows, quantize_q4_1_panels
+
+
+class NativeWeight:
+    """The weight in its dtype: ``bf16_linear`` (bfloat16) or ``f32_linear`` (float32).
+    Same arithmetic as oneDNN's (exact products summed in float32, one rounding)."""
+
+    def __init__(self, kernels: NativeKernels, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+        ops = kernels.linear_kernels(weight.dtype)
+        self.linear = ops.linear
+        self.out_features = weight.shape[0]
+        self.packed = ops.pack_weight(weight)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.packed, self.out_features, self.bias, None)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.packed, self.out_features, self.bias, residual)
+
+
+class NativeInt8Weight:
+    """int8 weights with one float32 scale per output row (``quantize_int8_rows``) for the
+    int8 kernel of the weight's dtype: ``int8_linear`` (bfloat16 activations) or
+    ``int8_f32_linear`` (float32)."""
+
+    def __init__(self, kernels: NativeKernels, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+        ops = kernels.linear_kernels(weight.dtype)
+        self.linear = ops.int8_linear
+        self.out_features = weight.shape[0]
+        q, self.scales = quantize_int8_rows(weight)
+        self.packed = ops.int8_pack_weight(q)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.packed, self.scales, self.out_features, self.bias, None)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.packed, self.scales, self.out_features, self.bias, residual)
+
+
+class NativeInt4Weight:
+    """4-bit weights for the int4 kernel of the weight's dtype: ``int4_linear`` (bfloat16
+    activations, panels of 32 outputs) or ``int4_f32_linear`` (float32, panels of 16). Per
+    ``GROUP`` inputs of a row a float32 scale and minimum, ``w = q * scale + min`` with q in
+    0..15 (the group's minimum and maximum map to 0 and 15, as in a GGUF Q4_1 block, whose
+    values it recovers exactly). Needs ``in % GROUP == 0``."""
+
+    GROUP = 32
+
+    def __init__(self, kernels: NativeKernels, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+        out_features, in_features = weight.shape
+        check_int4_shape(in_features, self.GROUP, "int4")
+        self.linear = kernels.linear_kernels(weight.dtype).int4_linear
+        bf16 = weight.dtype == torch.bfloat16
+        panel = 32 if bf16 else 16  # outputs per panel of the kernel's layout
+        q, self.scales, self.mins = quantize_q4_1_panels(weight, panel, self.GROUP)
+        # [panels, output, K / 2, pair] -> [panels, K / 2, output, pair]: one byte a pair
+        q = q.view(q.shape[0], panel, in_features // 2, 2).transpose(1, 2)
+        packed = (q[..., 0] | (q[..., 1] << 4)).contiguous()
+        # the bfloat16 kernel takes its panel's outputs as [2, 16]
+        self.packed = packed.view(-1, in_features // 2, 2, 16) if bf16 else packed
+        self.out_features = out_features
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.packed, self.scales, self.mins, self.out_features,
+                           self.bias, None)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.packed, self.scales, self.mins, self.out_features,
+                           self.bias, residual)
+
+
+class NativeW4A8Weight:
+    """4-bit weights in Q4_1's form with float16 scales and minimums (a Q4_1 file's own
+    values, exactly) for ``w4a8_linear``, which quantizes the float32 activations to int8
+    per block of 16 inputs at every call and multiplies integers (AVX2). Panels of 16
+    outputs in records of 4 inputs: byte ``4 o + j`` of record ``r`` holds input ``4 r + j``
+    of output ``o`` in its low nibble and of output ``8 + o`` in its high one;
+    ``group_params [panels, K / GROUP, 2, 16]`` the scales, then the minimums, of each
+    group's 16 outputs. Needs ``in % GROUP == 0``."""
+
+    GROUP = 32
+
+    def __init__(self, kernels: NativeKernels, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+        out_features, in_features = weight.shape
+        check_int4_shape(in_features, self.GROUP, "w4a8")
+        self.linear = kernels.w4a8_linear()
+        q, scales, mins = quantize_q4_1_panels(weight, 16, self.GROUP, torch.float16)
+        # [panels, half, o, K / 4, j] -> [panels, K / 4, half, o, j]
+        q = q.view(q.shape[0], 2, 8, in_features // 4, 4).permute(0, 3, 1, 2, 4)
+        self.packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, in_features // 4, 32)
+        self.group_params = torch.stack((scales, mins), dim=2).contiguous()
+        self.out_features = out_features
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.packed, self.group_params, self.out_features, self.bias,
+                           None)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.packed, self.group_params, self.out_features, self.bias,
+                           residual)

@@ -1,0 +1,101 @@
+"""The one handle on the compiled kernels: ``NativeKernels``, and the engine's choice of it."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.errors import InvalidParameterError
+import tokenmill.kernels.signatures as sig
+from tokenmill.kernels.build import load_library
+from tokenmill.kernels.capabilities import KernelCapabilities
+
+
+class KernelUnavailableError(RuntimeError):
+    """A kernel asked for where ``KernelCapabilities`` says this build has none."""
+
+
+@dataclass(frozen=True, slots=True)
+class LinearKernels:
+    """The native linear kernels for one activation dtype (bfloat16 or float32): plain,
+    int8 and int4 weights."""
+
+    pack_weight: sig.PackWeight
+    linear: sig.FloatLinear
+    int8_pack_weight: sig.PackWeight
+    int8_linear: sig.Int8Linear
+    int4_linear: sig.Int4Linear
+
+
+@dataclass(frozen=True, slots=True)
+class NativeKernels:
+    """The compiled kernels of this CPU. The fields are the ops every build has, bound once
+    here (callers keep and call them directly); the CPU-dependent kernels come from the
+    methods, each of which raises ``KernelUnavailableError`` where ``capabilities`` says
+    this build lacks it. Made by ``native_kernels()``, once per process."""
+
+    capabilities: KernelCapabilities
+    rms_norm: sig.RmsNorm
+    silu_and_mul: sig.SiluAndMul
+    rotary_store_kv: sig.RotaryStoreKV
+    paged_decode_attention: sig.PagedDecodeAttention
+    argmax_rows: sig.ArgmaxRows
+    sample_rows: sig.SampleRows
+
+    def linear_kernels(self, dtype: torch.dtype) -> LinearKernels:
+        """The linear kernels for ``dtype`` activations (``capabilities.linear(dtype)``)."""
+        _require(self.capabilities.linear(dtype), f"native linear kernels for {dtype}")
+        ops = torch.ops.tokenmill
+        if dtype == torch.bfloat16:
+            return LinearKernels(ops.bf16_pack_weight, ops.bf16_linear, ops.int8_pack_weight,
+                                 ops.int8_linear, ops.int4_linear)
+        return LinearKernels(ops.f32_pack_weight, ops.f32_linear, ops.int8_f32_pack_weight,
+                             ops.int8_f32_linear, ops.int4_f32_linear)
+
+    def w4a8_linear(self) -> sig.W4A8Linear:
+        """The w4a8 linear kernel (``capabilities.w4a8_linear``)."""
+        _require(self.capabilities.w4a8_linear, "the w4a8 linear kernel")
+        return torch.ops.tokenmill.w4a8_linear
+
+    def prefill_attention(self, dtype: torch.dtype, head_dim: int) -> sig.PagedPrefillAttention:
+        """The prefill attention kernel, for ``dtype`` heads of ``head_dim``
+        (``capabilities.prefill_attention(dtype, head_dim)``)."""
+        _require(self.capabilities.prefill_attention(dtype, head_dim),
+                 f"prefill attention for {dtype} heads of {head_dim}")
+        return torch.ops.tokenmill.paged_prefill_attention
+
+
+def _require(available: bool, what: str) -> None:
+    if not available:
+        raise KernelUnavailableError(f"this build of the native kernels has no {what}")
+
+
+@functools.cache
+def native_kernels() -> NativeKernels | None:
+    """This CPU's kernels, built on first use; None where they cannot be built here (the
+    log says why)."""
+    if not load_library():
+        return None
+    ops = torch.ops.tokenmill
+    return NativeKernels(
+        capabilities=KernelCapabilities.of_loaded_library(), rms_norm=ops.rms_norm,
+        silu_and_mul=ops.silu_and_mul, rotary_store_kv=ops.rotary_store_kv,
+        paged_decode_attention=ops.paged_decode_attention, argmax_rows=ops.argmax_rows,
+        sample_rows=ops.sample_rows)
+
+
+def choose_kernels(choice: str, device: torch.device) -> NativeKernels | None:
+    """The native kernels for the ``kernels`` option (``auto | native | torch``) on
+    ``device``; None: PyTorch's. ``auto`` takes them on a CPU where they build.
+    Raises ``InvalidParameterError`` when ``native`` is asked for and cannot run."""
+    if choice == "torch" or (choice == "auto" and device.type != "cpu"):
+        return None
+    if device.type != "cpu":
+        raise InvalidParameterError("kernels native runs on the CPU only", "kernels")
+    kernels = native_kernels()
+    if kernels is None and choice == "native":
+        raise InvalidParameterError("the native kernels could not be built on this host (see "
+                                    "the log); use kernels torch", "kernels")
+    return kernels

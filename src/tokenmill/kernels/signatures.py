@@ -1,0 +1,106 @@
+"""The signatures of the compiled ops (their schemas in the ``.cpp`` files), as types.
+
+A caller binds an op once, where it is built, and calls it directly in the hot loop: one
+linear layer runs about 120 times per decode step, so no Python layer sits between the
+caller and the op. Every op computes in float32 inside and rounds once to its output's
+dtype; each checks its arguments and raises ``RuntimeError`` naming the one that is wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from torch import Tensor
+
+
+class RmsNorm(Protocol):
+    def __call__(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """``x / sqrt(mean(x^2) + eps) * weight`` over each row of ``x [T, H]`` (rows may be
+        strided)."""
+        ...
+
+
+class SiluAndMul(Protocol):
+    def __call__(self, x: Tensor) -> Tensor:
+        """``silu(gate) * up`` for ``x = [gate | up]``, ``[T, 2 * I] -> [T, I]``."""
+        ...
+
+
+class RotaryStoreKV(Protocol):
+    def __call__(self, qkv: Tensor, cos: Tensor, sin: Tensor, key_cache: Tensor,
+                 value_cache: Tensor, slot_mapping: Tensor, num_heads: int,
+                 num_kv_heads: int) -> None:
+        """Rotate q and k of ``qkv [T, (heads + 2 kv_heads) D]`` in place by ``cos, sin``
+        (``RotaryEmbedding.cos_sin``'s), then write k and v of token ``t`` into the caches
+        ``[blocks, block_size, kv_heads, D]`` at flat slot ``slot_mapping[t]`` (int64)."""
+        ...
+
+
+class PagedDecodeAttention(Protocol):
+    def __call__(self, q: Tensor, key_cache: Tensor, value_cache: Tensor,
+                 block_tables: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
+        """Attention of one query token per sequence, ``q [B, heads, D]`` (rows may be
+        strided), over its ``seq_lens[b]`` keys and values read in place in the blocks
+        ``block_tables[b]`` names (both int32) -> ``[B, heads, D]``."""
+        ...
+
+
+class PagedPrefillAttention(Protocol):
+    def __call__(self, q: Tensor, key_cache: Tensor, value_cache: Tensor,
+                 block_tables: Tensor, query_ranges: Tensor, seq_lens: Tensor, scale: float,
+                 out: Tensor) -> None:
+        """Causal attention of each sequence's new tokens, the flat rows ``query_ranges[b]``
+        (``[start, end)``) of ``q [T, heads, D]``, over its ``seq_lens[b]`` keys and values
+        in place in its blocks (all int32), written into the same rows of ``out [T, heads
+        * D]``. bfloat16 only."""
+        ...
+
+
+class ArgmaxRows(Protocol):
+    def __call__(self, x: Tensor) -> Tensor:
+        """The first index of each row's largest value (NaN above all), as
+        ``x.float().argmax(-1)`` answers, for float32, bfloat16 or float16 rows."""
+        ...
+
+
+class SampleRows(Protocol):
+    def __call__(self, logits: Tensor, temperature: Tensor, u: Tensor) -> Tensor:
+        """Per row, the first token whose cumulative ``softmax(logits / temperature)``
+        passes ``u`` (in [0, 1)) times the total; one pass over the row in its own dtype."""
+        ...
+
+
+class PackWeight(Protocol):
+    def __call__(self, weight: Tensor) -> Tensor:
+        """A ``[out, in]`` weight in its linear kernel's panel layout."""
+        ...
+
+
+class FloatLinear(Protocol):
+    def __call__(self, x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None,
+                 residual: Tensor | None) -> Tensor:
+        """``x @ W.T + bias + residual`` over ``packed``, a ``PackWeight``'s ``W``."""
+        ...
+
+
+class Int8Linear(Protocol):
+    def __call__(self, x: Tensor, packed: Tensor, scales: Tensor, out_features: int,
+                 bias: Tensor | None, residual: Tensor | None) -> Tensor:
+        """``FloatLinear`` over int8 weights times one float32 scale per output row."""
+        ...
+
+
+class Int4Linear(Protocol):
+    def __call__(self, x: Tensor, packed: Tensor, scales: Tensor, mins: Tensor,
+                 out_features: int, bias: Tensor | None, residual: Tensor | None) -> Tensor:
+        """``FloatLinear`` over 4-bit weights, ``q * scale + min`` per 32 inputs of a row
+        (``linear.NativeInt4Weight``'s layout)."""
+        ...
+
+
+class W4A8Linear(Protocol):
+    def __call__(self, x: Tensor, packed: Tensor, group_params: Tensor, out_features: int,
+                 bias: Tensor | None, residual: Tensor | None) -> Tensor:
+        """``FloatLinear`` over 4-bit weights (``linear.NativeW4A8Weight``'s layout) with
+        the float32 ``x`` quantized to int8 per block of 16 inputs."""
+        ...

@@ -1,0 +1,103 @@
+"""Paged attention by the engine's native kernels, over the blocks in place (see
+``attention``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.kernels import NativeKernels
+from tokenmill.models.attention import AttentionBackend, AttentionPlan, PrefillAttention
+from tokenmill.models.attention_metadata import AttentionMetadata
+from tokenmill.models.attention_sdpa import SdpaPrefill
+
+
+@dataclass(frozen=True, slots=True)
+class NativeDecodePlan:
+    block_tables: torch.Tensor  # [Bd, nb] int32
+    seq_lens: torch.Tensor  # [Bd] int32
+
+
+@dataclass(frozen=True, slots=True)
+class NativePrefillPlan:
+    block_tables: torch.Tensor  # [Bp, nb] int32
+    query_ranges: torch.Tensor  # [Bp, 2] int32, flat [start, end)
+    seq_lens: torch.Tensor  # [Bp] int32
+
+
+class NativeDecode:
+    """Every decode sequence in one ``paged_decode_attention`` call, each over its own
+    length."""
+
+    def __init__(self, kernels: NativeKernels) -> None:
+        self._attention = kernels.paged_decode_attention
+
+    def plan(self, block_tables: torch.Tensor, seq_lens: list[int],
+             num_cache_blocks: int) -> NativeDecodePlan:
+        return NativeDecodePlan(block_tables.to(torch.int32),
+                                torch.tensor(seq_lens, dtype=torch.int32,
+                                             device=block_tables.device))
+
+    def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: NativeDecodePlan,
+                 scale: float) -> torch.Tensor:
+        out = self._attention(q, kv_cache[0], kv_cache[1], plan.block_tables, plan.seq_lens,
+                              scale)
+        return out.view(q.shape[0], -1)
+
+
+class NativePrefill:
+    """Every prefill sequence in one ``paged_prefill_attention`` call."""
+
+    reads_new_kv = False  # the kernel reads them from the cache
+
+    def __init__(self, kernels: NativeKernels, dtype: torch.dtype, head_dim: int) -> None:
+        self._attention = kernels.prefill_attention(dtype, head_dim)
+
+    def plan(self, md: AttentionMetadata, rows: list[int],
+             num_cache_blocks: int) -> NativePrefillPlan:
+        device = md.slot_mapping.device
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        nb = -(-max(md.seq_lens[i] for i in rows) // md.block_size)
+        return NativePrefillPlan(
+            block_tables=md.block_tables[index, :nb].to(torch.int32),
+            query_ranges=torch.tensor(
+                [(md.query_start_loc[i], md.query_start_loc[i + 1]) for i in rows],
+                dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([md.seq_lens[i] for i in rows], dtype=torch.int32,
+                                  device=device),
+        )
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                 kv_cache: torch.Tensor, plan: NativePrefillPlan, scale: float,
+                 out: torch.Tensor) -> None:
+        self._attention(q, kv_cache[0], kv_cache[1], plan.block_tables, plan.query_ranges,
+                        plan.seq_lens, scale, out)
+
+
+class NativeAttention(AttentionBackend):
+    """Rotary and the KV store in one pass (``rotary_store_kv``), then ``NativeDecode``,
+    and ``NativePrefill`` where ``kernels.capabilities`` has it for ``dtype`` (the model's)
+    and ``head_dim``, else ``SdpaPrefill``."""
+
+    def __init__(self, kernels: NativeKernels, num_heads: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype) -> None:
+        prefill: PrefillAttention = (
+            NativePrefill(kernels, dtype, head_dim)
+            if kernels.capabilities.prefill_attention(dtype, head_dim) else SdpaPrefill(dtype))
+        super().__init__(num_heads, num_kv_heads, head_dim, NativeDecode(kernels), prefill)
+        self._rotary_store_kv = kernels.rotary_store_kv
+
+    def __call__(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 kv_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        num_tokens = qkv.shape[0]
+        self._rotary_store_kv(qkv, cos, sin, kv_cache[0], kv_cache[1], plan.slot_mapping,
+                              self.num_heads, self.num_kv_heads)
+        q = qkv[:, : self.q_size].view(num_tokens, -1, self.head_dim)
+        if plan.prefill is None:  # every token is a decode
+            return self.decode(q, kv_cache, plan.decode, self.scale)
+        k = v = None  # read from the cache, except by a prefill attention that reads them
+        if self.prefill.reads_new_kv:
+            k, v = (qkv[:, lo:hi].view(num_tokens, -1, self.head_dim)
+                    for lo, hi in ((self.q_size, self.qk_size), (self.qk_size, qkv.shape[1])))
+        return self._attend_with_prefills(q, k, v, kv_cache, plan)

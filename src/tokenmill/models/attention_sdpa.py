@@ -1,0 +1,170 @@
+"""Paged attention by PyTorch's ops: SDPA over gathered blocks (see ``attention``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.models.attention import AttentionBackend, AttentionPlan
+from tokenmill.models.attention_metadata import AttentionMetadata
+from tokenmill.models.layers import apply_rotary
+
+
+@dataclass(frozen=True, slots=True)
+class SdpaDecodePlan:
+    # [2 * Bd * nb]: the keys' blocks row-major, then the values' (see ``_gather_blocks``)
+    block_ids: torch.Tensor
+    num_seqs: int  # Bd
+    max_len: int  # L, the longest context
+    mask: torch.Tensor | None  # [Bd, 1, 1, L] additive; None: all contexts are L long
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSeq:
+    start: int  # flat token range [start, end) of this sequence's new tokens
+    end: int
+    seq_len: int
+    blocks: torch.Tensor | None  # [2 * ceil(seq_len / bs)] as _kv_rows; None when ctx == 0
+    mask: torch.Tensor | None  # [q_len, seq_len] additive (0 or -inf); None when ctx == 0
+
+
+class SdpaDecode:
+    """Every decode sequence in one padded SDPA call, GQA as query rows of a KV head."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype  # the masks' (additive: 0 where visible, -inf elsewhere)
+
+    def plan(self, block_tables: torch.Tensor, seq_lens: list[int],
+             num_cache_blocks: int) -> SdpaDecodePlan:
+        max_len = max(seq_lens)
+        mask = None
+        if min(seq_lens) != max_len:
+            device = block_tables.device
+            lens = torch.tensor(seq_lens, dtype=torch.long, device=device)
+            keys = torch.arange(max_len, device=device)
+            visible = (keys[None, :] < lens[:, None]).view(len(seq_lens), 1, 1, max_len)
+            mask = _additive(visible, self.dtype)
+        return SdpaDecodePlan(_kv_rows(block_tables.reshape(-1), num_cache_blocks),
+                              len(seq_lens), max_len, mask)
+
+    def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: SdpaDecodePlan,
+                 scale: float) -> torch.Tensor:
+        num_seqs, num_heads, head_dim = q.shape
+        num_kv_heads = kv_cache.shape[3]
+        # [2, Bd * nb, bs * kvh * D] -> [2, Bd, nb * bs, kvh, D] -> k, v as [Bd, kvh, L, D]
+        kv = _gather_blocks(kv_cache, plan.block_ids)
+        kv = kv.view(2, num_seqs, -1, num_kv_heads, head_dim)[:, :, : plan.max_len]
+        k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+        q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scale)
+        return out.reshape(num_seqs, num_heads * head_dim)
+
+
+class SdpaPrefill:
+    """One causal SDPA call per prefill sequence."""
+
+    reads_new_kv = True  # a sequence with no earlier context attends over them directly
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype  # the masks'
+
+    def plan(self, md: AttentionMetadata, rows: list[int],
+             num_cache_blocks: int) -> list[PrefillSeq]:
+        return [self._plan_seq(md, i, num_cache_blocks) for i in rows]
+
+    def _plan_seq(self, md: AttentionMetadata, i: int, num_cache_blocks: int) -> PrefillSeq:
+        start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
+        seq_len = md.seq_lens[i]
+        ctx = seq_len - (end - start)
+        if ctx == 0:
+            return PrefillSeq(start, end, seq_len, None, None)
+        device = md.slot_mapping.device
+        blocks = _kv_rows(md.block_tables[i, : -(-seq_len // md.block_size)], num_cache_blocks)
+        query_pos = torch.arange(ctx, seq_len, device=device)
+        visible = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
+        return PrefillSeq(start, end, seq_len, blocks, _additive(visible, self.dtype))
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                 kv_cache: torch.Tensor, plan: list[PrefillSeq], scale: float,
+                 out: torch.Tensor) -> None:
+        assert k is not None and v is not None, "reads_new_kv"
+        for seq in plan:
+            out[seq.start : seq.end] = _prefill_attention(
+                q[seq.start : seq.end], k[seq.start : seq.end], v[seq.start : seq.end],
+                kv_cache, seq, scale,
+            )
+
+
+class SdpaAttention(AttentionBackend[SdpaDecodePlan, list[PrefillSeq]]):
+    """Rotary and the KV store as PyTorch ops, then ``SdpaDecode`` and ``SdpaPrefill``;
+    ``dtype``: the model's."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, SdpaDecode(dtype),
+                         SdpaPrefill(dtype))
+
+    def __call__(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 kv_cache: torch.Tensor,
+                 plan: AttentionPlan[SdpaDecodePlan, list[PrefillSeq]]) -> torch.Tensor:
+        num_tokens = qkv.shape[0]
+        # q and k rotated together: [T, heads + kv_heads, D]
+        qk = apply_rotary(qkv[:, : self.qk_size].view(num_tokens, -1, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        kv_cache[0].view(-1, self.num_kv_heads, self.head_dim).index_copy_(
+            0, plan.slot_mapping, k)
+        kv_cache[1].view(-1, self.num_kv_heads, self.head_dim).index_copy_(
+            0, plan.slot_mapping, v)
+        if plan.prefill is None:  # every token is a decode
+            return self.decode(q, kv_cache, plan.decode, self.scale)
+        return self._attend_with_prefills(q, k, v, kv_cache, plan)
+
+
+def _kv_rows(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """Rows of a cache viewed as ``[2 * num_blocks, block]``: the keys' blocks, then the
+    values' (``_gather_blocks`` reads both in one call)."""
+    return torch.cat((block_ids, block_ids + num_blocks))
+
+
+def _gather_blocks(kv_cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``[2, n, block]``: keys and values of the blocks ``rows`` names (``_kv_rows``).
+
+    ``F.embedding`` is a row gather, and the fastest one on CPU (about twice
+    ``index_select`` along the cache's second dimension)."""
+    return F.embedding(rows, kv_cache.view(2 * kv_cache.shape[1], -1)).view(2, len(rows) // 2,
+                                                                             -1)
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill_(~visible, float("-inf"))
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq: PrefillSeq,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for one sequence's ``q_len`` new tokens -> ``[q_len, heads*D]``.
+
+    NOTE: the tensors are 4-D ``[1, heads, len, D]``: with 3-D ones SDPA on CPU falls back
+    to its unfused path, ten times slower."""
+    q_len = q.shape[0]
+    if seq.blocks is None:
+        keys, values = k, v
+    else:
+        # [2, nb, bs * kvh * D] -> [2, seq_len, kvh, D]
+        kv = _gather_blocks(kv_cache, seq.blocks)
+        kv = kv.view(2, -1, *kv_cache.shape[3:])[:, : seq.seq_len]
+        keys, values = kv[0], kv[1]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale, enable_gqa=True,
+    )
+    return out[0].transpose(0, 1).reshape(q_len, -1)

@@ -1,0 +1,102 @@
+"""Projections packed for PyTorch's own CPU kernels (oneDNN's, and its int8 and int4 ones).
+
+Each class converts one plain ``[out, in]`` weight (and its bias) once and then computes
+``x @ W.T + bias`` (``__call__``) and ``residual + x @ W.T + bias`` (``add``), as
+``kernels.linear``'s native ones do.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from tokenmill.errors import InvalidParameterError
+from tokenmill.kernels.quantize import quantize_int8_rows
+
+
+class OneDNNWeight:
+    """oneDNN's blocked layout (float32, bfloat16 or float16): one product and sum per
+    output in the dtype, as ``F.linear``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)  # tuned for batch 1
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """One oneDNN call, one rounding of the sum."""
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias,
+                                                         "add")
+
+
+@functools.cache
+def onednn_supports(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can reorder (and so multiply) ``dtype`` weights on this CPU: tried
+    once on a small weight, since the answer depends on the instruction set (its bfloat16
+    reorder needs AVX512-BW/VL/DQ or AVX-NE-CONVERT)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        OneDNNWeight(torch.zeros(16, 16, dtype=dtype), None)(torch.zeros(1, 16, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
+
+
+class Int8Weight:
+    """int8 weights, one scale per output row (symmetric); activations in the dtype of the
+    weight it is made from (bfloat16 or float32)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, scales = quantize_int8_rows(weight)
+        self.scales = scales.to(weight.dtype)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self(x).add_(residual)
+
+
+class Int4Weight:
+    """4-bit weights, asymmetric, one scale and zero per ``GROUP`` inputs of a row;
+    activations, scales and zeros in the dtype of the weight it is made from (bfloat16 or
+    float32). Needs ``in % GROUP == 0`` and ``out % 16 == 0`` (the kernel's packing)."""
+
+    GROUP = 32
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        out_features, in_features = weight.shape
+        if in_features % self.GROUP or out_features % 16:
+            raise InvalidParameterError(
+                f"--quantization int4 needs projections of a multiple of {self.GROUP} inputs "
+                f"and 16 outputs, this model has {in_features} -> {out_features}: use int8",
+                "quantization")
+        groups = weight.float().view(out_features, in_features // self.GROUP, self.GROUP)
+        low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+        # The kernel computes (q - 8) * scale + zero with scale and zero in the dtype: round
+        # them first, then pick each q against the rounded pair, so the rounding of a zero
+        # far from 0 (a group of weights all of one sign) is made up for by q where it can.
+        dtype = weight.dtype
+        scales = ((high - low) / 15).clamp_min(torch.finfo(dtype).tiny).to(dtype).float()
+        zeros = (low + 8 * scales).to(dtype).float()
+        values = ((groups - zeros) / scales + 8).round_().clamp_(0, 15).to(torch.int32)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            values.view(out_features, in_features), 2)
+        self.scales_and_zeros = torch.stack(
+            (scales.view(out_features, -1).t(), zeros.view(out_features, -1).t()),
+            dim=-1).contiguous().to(dtype)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.GROUP,
+                                                         self.scales_and_zeros)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self(x).add_(residual)
