@@ -4,7 +4,8 @@ For each configuration (``float32``, the reference; ``bfloat16``; ``int8`` and `
 weights with the activations ``--dtype auto`` gives them, as ``tokenmill serve`` does:
 bfloat16 where the CPU computes it, float32 elsewhere; ``w4a8``, int4 weights times int8
 activations, in float32, where its kernel runs; bfloat16 only where the CPU computes it)
-it measures, on the embedded model unless ``--model``:
+it measures, on the embedded model unless ``--model`` (every engine option but ``--dtype``
+and ``--quantization``, which the configurations set, applies to all of them):
 
 - on a fixed public-domain text (``tests/data/public_domain.txt``), one prefill through
   the engine's own forward pass: the perplexity and its change against float32, the mean
@@ -18,11 +19,13 @@ it measures, on the embedded model unless ``--model``:
 Prints one table and writes JSON. Usage::
 
     python benchmarks/accuracy.py [--model PATH] [--max-tokens 48] [--out FILE]
+                                  [ENGINE OPTIONS, as tokenmill generate takes them]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 
@@ -32,9 +35,11 @@ from rich.console import Console
 from rich.table import Table
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import EngineConfig
 from tokenmill.hardware import cpu_has_bf16
 from tokenmill.kernels import native_kernels
 from tokenmill.models.perplexity import mean_kl_divergence, next_token_logprobs, perplexity_of
+from tokenmill.options import add_options, options_from
 
 TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests",
                     "data", "public_domain.txt")
@@ -52,8 +57,8 @@ QUESTIONS = [
 ]
 
 
-def measure_config(model: str | None, options: dict, max_tokens: int) -> dict:
-    llm = LLM(model=model, max_num_seqs=len(QUESTIONS), **options)
+def measure_config(base: EngineConfig, options: dict, max_tokens: int) -> dict:
+    llm = LLM(**dataclasses.asdict(dataclasses.replace(base, **options)))
     with open(TEXT, encoding="utf-8") as f:
         text_ids = llm.tokenizer.encode(f.read())
     model_module = llm.engine.core.executor.model
@@ -70,15 +75,18 @@ def measure_config(model: str | None, options: dict, max_tokens: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--out", default="benchmarks/results/accuracy.json")
+    add_options(parser.add_argument_group("engine"), EngineConfig,
+                skip=("dtype", "quantization"))
+    parser.set_defaults(max_num_seqs=len(QUESTIONS))
     args = parser.parse_args()
+    base = options_from(args, EngineConfig)
     kernels = native_kernels()
     skipped = {"w4a8": kernels is None or not kernels.capabilities.w4a8_linear,  # AVX2
                "bfloat16": not cpu_has_bf16()}  # emulated: minutes per configuration
     configs = {name: options for name, options in CONFIGS.items() if not skipped.get(name)}
-    results = {name: measure_config(args.model, options, args.max_tokens)
+    results = {name: measure_config(base, options, args.max_tokens)
                for name, options in configs.items()}
     reference = results["float32"]
     for r in results.values():

@@ -1,7 +1,8 @@
 """Where a serving step's time goes, at one stream and at many.
 
-Runs the real ``tokenmill serve`` in this process (``cli.main``), with timers wrapped
-around the engine's parts in its engine process (which writes their totals to a file a
+Runs the real ``tokenmill serve`` in this process (``server.run.serve``, with the engine
+process's ``engine_setup`` hook), with timers wrapped around the engine's parts in its
+engine process (which writes their totals to a file a
 few times a second) and around output processing in this one, and drives it from a
 ``tokenmill bench`` subprocess (its own Python, as a real client would be):
 ``--input-len`` prompt tokens,
@@ -30,6 +31,7 @@ import argparse
 import collections
 import functools
 import json
+import logging
 import os
 import signal
 import socket
@@ -47,10 +49,10 @@ from rich.table import Table
 from tokenmill import cli
 from tokenmill.core.engine_core import EngineCore
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.engine import process as engine_loop
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.sampler import Sampler
 from tokenmill.frontend import request_state
+from tokenmill.server.run import serve
 from tokenmill.models import layers, llama
 from tokenmill.models.attention import AttentionBackend
 from tokenmill.models.attention_native import NativeDecode, NativePrefill
@@ -58,7 +60,6 @@ from tokenmill.models.attention_sdpa import SdpaDecode, SdpaPrefill
 
 SNAPSHOT_ENV = "STEP_BREAKDOWN_FILE"
 SNAPSHOT_PERIOD_S = 0.2
-ENGINE_MAIN = engine_loop._engine_process_main
 ENGINE_PARTS = ("schedule", "prepare", "matmuls", "attention", "forward_rest", "sampling",
                 "update", "other", "idle")
 LOOP_PARTS = ("output_processing", "http_sse")
@@ -115,9 +116,9 @@ def instrument_engine(timers: Timers) -> None:
     Scheduler.schedule = counting_schedule
 
 
-def instrumented_engine_main(config, conn, log_level) -> None:
-    """The engine process's entry point, with timers; their cumulative totals are written
-    to ``$STEP_BREAKDOWN_FILE`` every ``SNAPSHOT_PERIOD_S``."""
+def start_engine_timers() -> None:
+    """The engine process's setup hook: timers around the engine's parts, whose cumulative
+    totals are written to ``$STEP_BREAKDOWN_FILE`` every ``SNAPSHOT_PERIOD_S``."""
     timers = Timers()
     instrument_engine(timers)
     path = os.environ[SNAPSHOT_ENV]
@@ -130,7 +131,6 @@ def instrumented_engine_main(config, conn, log_level) -> None:
             time.sleep(SNAPSHOT_PERIOD_S)
 
     threading.Thread(target=write_snapshots, daemon=True).start()
-    ENGINE_MAIN(config, conn, log_level)
 
 
 def read_snapshot() -> dict:
@@ -250,7 +250,6 @@ def main() -> None:
     server_args = [a for a in server_args if a != "--"]
     loop_timers = Timers()
     loop_timers.wrap(request_state.ChoiceState, "process", "output_processing")
-    engine_loop._engine_process_main = instrumented_engine_main
     snapshot_dir = tempfile.mkdtemp()
     os.environ[SNAPSHOT_ENV] = os.path.join(snapshot_dir, "engine_timers.json")
     port = free_port()
@@ -265,8 +264,11 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGINT)
 
     threading.Thread(target=run_load, daemon=True).start()
-    cli.main(["--log-level", "warning", "serve", "--port", str(port), "--disable-log-stats",
-              *server_args])
+    serve_args = cli.parse_args(["serve", "--port", str(port), "--disable-log-stats",
+                                 *server_args])
+    logging.basicConfig(level=logging.WARNING)
+    serve(cli.server_config_from(serve_args), cli.engine_config_from(serve_args),
+          engine_setup=start_engine_timers)
     if "levels" in report:
         print_table(report)
         write_report(report, args.out)
