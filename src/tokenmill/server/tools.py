@@ -117,15 +117,15 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict | Non
 
 
 def _parameters(name: str, schema: dict[str, Any] | None) -> dict[str, Any]:
-    """A function's ``parameters`` schema: a JSON object's (OpenAI's rule); none given,
-    any object."""
+    """A function's ``parameters`` schema, of a JSON object (OpenAI's rule: one that does
+    not say its type is an object's); none given, any object."""
     if schema is None:
         return {"type": "object"}
-    kind = schema.get("type")
-    if kind is not None and kind != "object":
+    kind = schema.get("type", "object")
+    if kind != "object":
         raise InvalidParameterError(f"the parameters of function {name!r} must be a JSON "
                                     f"schema of type object, not {kind!r}", "tools")
-    return schema
+    return {"type": "object", **schema}
 
 
 # ------------------------------------------------------------------ parsing the text

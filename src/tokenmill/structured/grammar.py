@@ -34,13 +34,18 @@ def grammar_text(constraint: StructuredOutput) -> str:
             schema = json.loads(spec)
         except json.JSONDecodeError as e:
             raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
-        if not isinstance(schema, dict | bool):
-            raise GrammarError("a JSON schema must be an object (or a boolean)")
+        if schema is True:
+            schema = {}  # any JSON value
+        if not isinstance(schema, dict):
+            raise GrammarError("a JSON schema must be an object, or true")
         if constraint.whitespace == "":
             options: dict = {"whitespace_flexible": False}
         else:
             options = {"whitespace_pattern": constraint.whitespace or DEFAULT_JSON_WHITESPACE}
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        except ValueError as e:
+            raise GrammarError(str(e)) from None
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec)
     if kind == "choice":

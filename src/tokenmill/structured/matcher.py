@@ -21,8 +21,6 @@ import numpy as np
 
 from tokenmill.structured.grammar import GrammarError
 
-_executor: llguidance.LLExecutor | None = None
-
 
 def bitmask_width(vocab_size: int) -> int:
     """int32 words per row of a bitmask over ``vocab_size`` tokens."""
@@ -110,17 +108,21 @@ def fill_bitmasks(entries: Sequence[tuple[RequestGrammar, int, Sequence[int]]],
     """Fill rows of ``bitmask`` ([rows, bitmask_width(vocab)] int32, C-contiguous) from
     ``entries`` of (grammar, first row, draft tokens): row ``first`` gets the mask after
     the request's output, row ``first + j`` the mask after its drafts 1..j as well (for
-    speculative verification). Runs the matchers in parallel, outside the GIL."""
-    global _executor
+    speculative verification; the drafts are the grammar's own, ``valid_drafts``).
+
+    Serially, on the calling thread (outside the GIL): llguidance's parallel executor
+    keeps worker threads spinning after each batch, which on a small machine take the
+    cores the model's own threads need; a mask costs tens of microseconds per row."""
     assert bitmask.dtype == np.int32 and bitmask.flags["C_CONTIGUOUS"] and bitmask.ndim == 2
+    row_bytes = bitmask.shape[1] * 4
+    base = bitmask.ctypes.data
     for grammar, first, drafts in entries:
-        assert grammar.matcher is not None and first + len(drafts) < bitmask.shape[0]
-    if _executor is None:
-        _executor = llguidance.LLExecutor()
-    args = (bitmask.ctypes.data, bitmask.shape[1] * 4, bitmask.shape[0])
-    plain = [(g.matcher, first) for g, first, drafts in entries if not drafts]
-    if plain:
-        _executor.unsafe_compute_mask_ptr(plain, *args)
-    drafted = [(g.matcher, first, list(drafts)) for g, first, drafts in entries if drafts]
-    if drafted:
-        _executor.unsafe_compute_mask_ptr_with_draft_token(drafted, *args)
+        matcher = grammar.matcher
+        assert matcher is not None and first + len(drafts) < bitmask.shape[0]
+        matcher.unsafe_compute_mask_ptr(base + first * row_bytes, row_bytes)
+        for j, token_id in enumerate(drafts, 1):
+            ok = matcher.consume_token(token_id)
+            assert ok, "drafts are cut to what the grammar accepts"
+            matcher.unsafe_compute_mask_ptr(base + (first + j) * row_bytes, row_bytes)
+        if drafts:
+            matcher.rollback(len(drafts))
