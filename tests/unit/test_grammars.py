@@ -313,3 +313,25 @@ def test_drafts_are_cut_to_what_the_grammar_accepts() -> None:
     drafted = [r.draft_token_ids for step in executor.steps for r in step.requests]
     assert drafted and all(len(d) <= 1 for d in drafted)
     assert any(drafted)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_numpy_and_torch_masks_agree(dtype) -> None:
+    from tokenmill.engine.grammar_mask import apply_bitmask
+
+    vocab = 70  # not a multiple of 32: the last word's high bits are past the vocabulary
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(2)).to(dtype)
+    bitmask = torch.from_numpy(np.random.default_rng(0).integers(
+        -2**31, 2**31, size=(2, bitmask_width(vocab)), dtype=np.int64).astype(np.int32))
+    rows = torch.tensor([1, 3])
+    on_cpu = logits.clone()
+    with torch.inference_mode():
+        apply_bitmask(on_cpu, rows, bitmask)  # contiguous: the numpy path
+    wide = torch.zeros(4, vocab * 2, dtype=dtype)
+    wide[:, :vocab] = logits
+    strided = wide[:, :vocab]  # not contiguous: the torch path
+    apply_bitmask(strided, rows, bitmask)
+    assert torch.equal(on_cpu, strided)
+    assert torch.equal(on_cpu[[0, 2]], logits[[0, 2]])
+    bits = [(int(bitmask[0, t // 32]) >> (t % 32)) & 1 for t in range(vocab)]
+    assert [bool(torch.isinf(on_cpu[1, t])) for t in range(vocab)] == [b == 0 for b in bits]

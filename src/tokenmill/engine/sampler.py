@@ -6,7 +6,8 @@ the logprobs when asked for; top-p's check that its candidates hold top_p.
 
 Per row, in this order (as vLLM does):
 
-    grammar's forbidden ids -> -inf                       (rows with a structured output)
+    grammar's forbidden ids -> -inf                       (rows with a structured output:
+                                                           grammar_mask.py)
     raw logprobs = log_softmax(logits)                    (what ``logprobs`` reports)
     banned ids (min_tokens not reached) -> -inf
     repetition penalty on prompt+output tokens; frequency/presence on output tokens
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.core.types import TokenLogprob
+from tokenmill.engine.grammar_mask import apply_bitmask
 from tokenmill.engine.sampling_batch import PenaltySettings, SamplingBatch
 
 # Top-p first looks for its cut among this many most likely tokens, and sorts the whole
@@ -78,7 +80,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, "one row per request"
         if batch.grammar_rows is not None:
             assert batch.grammar_bitmask is not None
-            _apply_bitmask(logits, batch.grammar_rows, batch.grammar_bitmask)
+            apply_bitmask(logits, batch.grammar_rows, batch.grammar_bitmask)
         plain = batch.penalties is None and batch.banned is None and batch.logprob_rows is None
         if plain and batch.all_greedy:
             return SamplerOutput(self._greedy(logits).tolist(), [None] * batch.num_rows)
@@ -144,16 +146,6 @@ class Sampler:
             assert batch.greedy is not None
             tokens = torch.where(batch.greedy, greedy_tokens, tokens)
         return tokens
-
-
-def _apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """-inf at the ids a grammar forbids (bit ``id % 32`` of word ``id // 32`` of the row's
-    ``bitmask`` is 0), in ``rows`` only and in the logits' own dtype: no float32 copy."""
-    vocab_size = logits.shape[1]
-    assert bitmask.shape[1] * 32 >= vocab_size, "one bit per id of the vocabulary"
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    forbidden = ((bitmask.unsqueeze(-1) >> bits) & 1).view(len(rows), -1)[:, :vocab_size] == 0
-    logits[rows] = logits[rows].masked_fill_(forbidden, float("-inf"))
 
 
 def _apply_penalties(logits: torch.Tensor, pen: PenaltySettings) -> None:
