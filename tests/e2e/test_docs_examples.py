@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DOCS = ["README.md", "docs/api.md", "docs/speculative.md"]
+DOCS = ["README.md", "docs/api.md", "docs/speculative.md", "docs/structured-outputs.md"]
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
