@@ -239,3 +239,25 @@ def test_grammar_metrics_and_lifecycle(tiny_server, client) -> None:
         before.get("tokenmill_grammar_compile_seconds_count", 0) == 1
     assert after["tokenmill_request_success_total{finished_reason=stop}"] - \
         before["tokenmill_request_success_total{finished_reason=stop}"] == 3
+
+
+@pytest.mark.slow
+def test_smollm2_writes_valid_json_and_refuses_auto_tools(smol_server) -> None:
+    """The embedded model: schema-valid JSON at temperature 0.8 (its template renders no
+    tools, so tool_choice auto is a 400, while required still works)."""
+    from openai import BadRequestError, OpenAI
+
+    smol = OpenAI(base_url=smol_server.base_url + "/v1", api_key="unused", max_retries=0)
+    model = smol.models.list().data[0].id
+    full = smol.chat.completions.create(
+        model=model, messages=USER, max_tokens=200, n=4, temperature=0.8, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
+    for choice in full.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    with pytest.raises(BadRequestError) as refused:
+        smol.chat.completions.create(model=model, messages=USER, tools=[WEATHER], max_tokens=5)
+    assert refused.value.body["param"] == "tool_choice"
+    forced = smol.chat.completions.create(model=model, messages=USER, tools=[WEATHER],
+                                          tool_choice="required", max_tokens=60)
+    assert forced.choices[0].message.tool_calls[0].function.name == "weather"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 
 import jsonschema
 import pytest
@@ -144,3 +145,26 @@ def test_a_grammar_ends_the_request_without_eos(llm) -> None:
     [outs] = generate(llm, prompts(1), params)
     assert {o.text for o in outs} <= {"alpha", "beta", "gamma"}
     assert all(o.finish_reason == "stop" for o in outs)
+
+
+def test_a_slow_grammar_holds_up_only_its_own_request(tiny_model) -> None:
+    """A compilation past ``structured_output_compile_timeout`` fails its request with the
+    reason; the free requests beside it run meanwhile, as they would alone."""
+    llm = LLM(tiny_model, dtype="float32", structured_output_compile_timeout=0.3)
+    compile_now = llm.engine.core.grammars._compile
+
+    def slow_compile(constraint):
+        time.sleep(1.0)
+        return compile_now(constraint)
+
+    llm.engine.core.grammars._compile = slow_compile
+    free = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    batch = prompts(3, seed=9)
+    alone = [o[0].token_ids for o in generate(llm, batch, free)]
+    start = time.monotonic()
+    slow = SamplingParams(temperature=0.0, max_tokens=8, structured_output=StructuredOutput(
+        "regex", "[a-z]+"))
+    outputs = generate(llm, batch + [batch[0]], [free] * 3 + [slow])
+    assert [o[0].token_ids for o in outputs[:3]] == alone
+    assert outputs[3][0].finish_reason == "error" and outputs[3][0].token_ids == []
+    assert time.monotonic() - start < 1.0, "nobody waited for the slow compilation"
