@@ -50,7 +50,7 @@ class GrammarCompiler:
     """Compiles and caches grammars; see the module docstring. ``on_compiled``, when set,
     is called (on the worker thread) after each compilation: the engine loop's wake-up."""
 
-    def __init__(self, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, cache_size: int = 512,
+    def __init__(self, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, cache_size: int = 128,
                  num_threads: int = 1) -> None:
         self.timeout_s = timeout_s
         self.cache_size = cache_size

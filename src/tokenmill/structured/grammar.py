@@ -74,7 +74,7 @@ def check_structured_output(constraint: StructuredOutput) -> None:
         raise GrammarError(error)
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=256)
 def _compile_error(constraint: StructuredOutput) -> str:
     try:
         grammar = grammar_text(constraint)
