@@ -115,11 +115,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     return parser, commands
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line; a bad one exits with status 2 and the usage of the
+    subcommand it names (not the top level's)."""
     parser, commands = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if unknown:  # the subcommand's usage, not the top level's
+    if unknown:
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

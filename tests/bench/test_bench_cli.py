@@ -42,6 +42,20 @@ def test_run_writes_json_with_every_figure_and_plots(standin, tmp_path, capsys):
     for name in ("latency_cdf.png", "output_throughput.png", "ttft_vs_prompt.png"):
         png = (plots / name).read_bytes()
         assert png.startswith(b"\x89PNG") and len(png) > 5000
+    # the report ends by saying where every file went, one absolute path per line
+    assert report.splitlines()[-4:] == [f"wrote {out}"] + [
+        f"wrote {plots / name}"
+        for name in ("latency_cdf.png", "output_throughput.png", "ttft_vs_prompt.png")]
+
+
+def test_relative_output_paths_are_reported_absolute(standin, tmp_path, monkeypatch, capsys):
+    _, root = standin
+    monkeypatch.chdir(tmp_path)
+    assert bench("--base-url", f"{root}/k=1", "--input-len", "4", "--output-len", "2",
+                 "--num-requests", "1", "--result-json", "r.json") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == f"wrote {tmp_path / 'r.json'}" and (tmp_path / "r.json").is_file()
+    assert not any(line.startswith("wrote") for line in lines[:-1])
 
 
 def test_compare_prints_both_runs_with_ratios(standin, tmp_path, capsys):

@@ -212,13 +212,18 @@ def send(base_url: str, method: str, path: str, body, **kwargs) -> httpx.Respons
     return httpx.request(method, base_url + path, timeout=30, **kwargs)
 
 
+# OpenAI's form (docs/api.md#errors): ``code`` is a string naming the condition, or null;
+# never the HTTP status. The codes a table row can get, by (status, param):
+CODES = {(404, "model"): "model_not_found", (413, None): "request_too_large"}
+
+
 def assert_openai_error(response: httpx.Response, status: int, param: str | None) -> None:
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}, error
     assert isinstance(error["message"], str) and error["message"]
     assert isinstance(error["type"], str) and error["type"]
-    assert error["code"] is not None
+    assert error["code"] == CODES.get((status, param)), error
     assert error["param"] == param, error
 
 

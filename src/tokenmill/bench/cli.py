@@ -9,6 +9,9 @@
 - 2: bad arguments, unreadable files, unreachable server, failed warm-up: one line
   ``tokenmill bench: error: ...`` on stderr, no traceback;
 - 130: interrupted.
+
+A run prints its report to stdout, then one line ``wrote PATH`` (an absolute path) for
+every file it wrote: the ``--result-json`` file and each ``--plot`` PNG.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from typing import TypeVar
 
 from rich.console import Console
 
@@ -28,6 +32,7 @@ from tokenmill.bench.results import load_result_json
 from tokenmill.bench.runner import run_benchmark
 
 PROG = "tokenmill bench"
+T = TypeVar("T")
 
 
 class UsageError(Exception):
@@ -43,11 +48,16 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m tokenmill.bench``."""
     parser = argparse.ArgumentParser(prog=PROG, description="Benchmark an OpenAI-compatible "
                                      "server (see docs/bench.md).")
     add_arguments(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 
@@ -119,12 +129,17 @@ def _bench(args: argparse.Namespace) -> int:
     result = asyncio.run(run_benchmark(config))
     data = result.to_json()
     print_report(data, Console())
+    written = []
     if args.result_json:
         _write(lambda: result.write_json(args.result_json), args.result_json)
+        written.append(args.result_json)
     if args.plot:
         from tokenmill.bench.plots import write_plots  # matplotlib only when asked for
 
-        _write(lambda: write_plots(data, args.plot), args.plot)
+        written.extend(_write(lambda: write_plots(data, args.plot), args.plot))
+    for path in written:
+        # NOTE: plain print, not rich: a long path must stay on one line to be copied
+        print(f"wrote {os.path.abspath(path)}", flush=True)
     summary = data["summary"]
     all_failed = summary["num_failed"] > 0 and summary["num_ok"] + summary["num_cut_off"] == 0
     return 1 if all_failed else 0
@@ -169,9 +184,9 @@ def _check_outputs(args: argparse.Namespace) -> None:
         raise UsageError(f"--plot {args.plot} exists and is not a folder")
 
 
-def _write(action: Callable[[], object], path: str) -> None:
+def _write(action: Callable[[], T], path: str) -> T:
     try:
-        action()
+        return action()
     except OSError as exc:
         raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from exc
 

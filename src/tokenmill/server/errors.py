@@ -1,6 +1,10 @@
 """OpenAI-style error bodies, and the exception handlers that produce them.
 
-Every error leaves the server as ``{"error": {"message", "type", "param", "code"}}``.
+Every error leaves the server as ``{"error": {"message", "type", "param", "code"}}``, in
+OpenAI's form: ``code`` is a string naming a condition a client may act on
+(``invalid_api_key``, ``model_not_found``, ``request_too_large``, ``shutting_down``,
+``max_num_queued_requests``, ``max_num_queued_tokens``) or ``null``; never the HTTP status
+(vLLM puts the status there; here it is only the response's status line, and ``type``).
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, param: str | None = None,
                code: str | None = None) -> dict:
+    if code is not None and not isinstance(code, str):
+        raise TypeError(f"an error code is a string or None, not {code!r}")
     return {"error": {"message": message, "type": _TYPES.get(status, "error"), "param": param,
-                      "code": code if code is not None else status}}
+                      "code": code}}
 
 
 def error_response(status: int, message: str, param: str | None = None,
