@@ -7,7 +7,10 @@
   matter; ``overrides`` replace any config field);
 - a byte-level BPE tokenizer trained on the English text below (vocab 400 <= model vocab),
   special tokens ``<|endoftext|>`` (id 0, bos/pad), ``<|im_start|>`` (1), ``<|im_end|>``
-  (2, eos), and a ChatML chat template.
+  (2, eos), and a ChatML chat template that renders tools (by name only: the tokenizer
+  spends a token per character of JSON, and the tests' context is short), tool calls and
+  tool results as Qwen2.5's does (``<tools>``, ``<tool_call>``, ``<tool_response>``); a
+  conversation without them renders as plain ChatML.
 
 The same arguments always give the same files, so tests may compare against fixed values.
 """
@@ -37,9 +40,24 @@ LLAMA3_ROPE = {
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOKENIZER_VOCAB_SIZE = 400
 CHATML_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '<tools>' }}{% for tool in tools %}{{ ' ' + tool['function']['name'] }}{% endfor %}"
+    "{{ ' </tools><|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] is defined %}"
+    "{{ '<|im_start|>assistant\n' + message['content'] }}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ '<tool_call>\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' "
+    "+ (call['function']['arguments'] | tojson) + '}\n</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + "
+    "'\n</tool_response><|im_end|>\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
+    "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 TRAINING_TEXT = """

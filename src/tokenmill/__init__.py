@@ -5,16 +5,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutput", "__version__"]
 
 if TYPE_CHECKING:
     from tokenmill.frontend.llm import LLM
-    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.sampling_params import SamplingParams, StructuredOutput
 
 
 def __getattr__(name: str):
-    """``LLM`` and ``SamplingParams`` load on first use, so light imports (the benchmark
-    client, ``tokenmill --version``) never pay for torch."""
+    """``LLM``, ``SamplingParams`` and ``StructuredOutput`` load on first use, so light
+    imports (the benchmark client, ``tokenmill --version``) never pay for torch."""
     if name == "LLM":
         from tokenmill.frontend.llm import LLM
 
@@ -23,4 +23,8 @@ def __getattr__(name: str):
         from tokenmill.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutput":
+        from tokenmill.sampling_params import StructuredOutput
+
+        return StructuredOutput
     raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")

@@ -20,11 +20,12 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from tokenmill.errors import InvalidParameterError
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutput
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_CHOICES = ("none", "int8", "int4", "w4a8")
 KERNEL_CHOICES = ("auto", "native", "torch")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
                "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
@@ -104,6 +105,9 @@ class EngineConfig:
     ngram_max: int = option(4, "longest run of last tokens a draft lookup tries first")
     speculative_disable_by_batch_size: int = option(
         4, "no drafts in a step while more than this many requests run")
+    structured_output_compile_timeout: float = option(
+        10.0, "seconds a grammar (structured output, tool call) may take to compile in the "
+        "engine, off its step; beyond that its request ends with an error")
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "ngram_min",
@@ -124,6 +128,9 @@ class EngineConfig:
             raise InvalidParameterError(
                 f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})",
                 "ngram_min")
+        if not self.structured_output_compile_timeout > 0:
+            raise InvalidParameterError("structured_output_compile_timeout must be positive",
+                                        "structured_output_compile_timeout")
         if self.kv_cache_memory_bytes < 1:
             raise InvalidParameterError("kv_cache_memory must be positive", "kv_cache_memory")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
@@ -159,6 +166,9 @@ class RequestLimits:
     max_stop_strings: int = option(16, "most stop strings, and most stop_token_ids, per request")
     max_stop_string_length: int = option(256, "most characters in one stop string")
     max_request_id_length: int = option(256, "most characters in an x-request-id header")
+    max_structured_output_chars: int = option(
+        65536, "most characters in a request's JSON schema, regex, grammar or choice list "
+        "(for tool_choice required or a named function: the tools' parameters schemas)")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -176,6 +186,10 @@ class RequestLimits:
              "stop_token_ids")
         for stop in params.stop:
             _cap(len(stop), self.max_stop_string_length, "characters in a stop string", "stop")
+
+    def check_structured_output(self, constraint: StructuredOutput, param: str) -> None:
+        _cap(len(constraint.spec), self.max_structured_output_chars,
+             "characters in a structured output's schema, regex, grammar or choices", param)
 
     def check_request_id(self, request_id: str) -> None:
         _cap(len(request_id), self.max_request_id_length, "characters in x-request-id",
@@ -210,6 +224,10 @@ class ServerConfig:
         False, "no summary lines, no engine or request stats in /metrics or the dashboard")
     ui_show_text: bool = option(
         False, "let /v1/requests/recent and the dashboard show prompts and outputs")
+    tool_call_parser: str = option(
+        "auto", "how tool calls are read from the model's text when tool_choice is auto: "
+        "hermes (<tool_call> JSON, Hermes and Qwen), llama3_json (Llama 3 JSON), or auto "
+        "(from the chat template)", choices=TOOL_CALL_PARSERS)
 
     def __post_init__(self) -> None:
         if any(not isinstance(key, str) or not key.strip() for key in self.api_keys):
@@ -219,6 +237,7 @@ class ServerConfig:
         if self.shutdown_timeout < 0:
             raise InvalidParameterError("shutdown_timeout must not be negative",
                                         "shutdown_timeout")
+        _one_of("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
         if self.log_stats_interval <= 0:
             raise InvalidParameterError("log_stats_interval must be positive",
                                         "log_stats_interval")

@@ -11,6 +11,37 @@ from dataclasses import dataclass, field, replace
 
 from tokenmill.errors import InvalidParameterError
 
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on a request's output, which a grammar engine enforces token by token
+    (``tokenmill.structured``). Frozen and hashable: compiled grammars are cached by it.
+
+    ``kind`` names the language of ``spec``:
+
+    - ``"json"``: a JSON schema, as JSON text (``{"type": "object"}`` is any object);
+    - ``"regex"``: a regular expression that the whole output matches;
+    - ``"choice"``: a JSON list of strings, of which the output is exactly one;
+    - ``"grammar"``: a context-free grammar, in Lark or GBNF (llama.cpp's EBNF) syntax.
+
+    ``whitespace`` (``"json"`` only): the whitespace allowed between JSON tokens, as a
+    regex; None for the default (at most one space, or one line break and an indent of
+    up to 20), "" for none.
+    """
+
+    kind: str
+    spec: str
+    whitespace: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.kind in STRUCTURED_OUTPUT_KINDS,
+               f"structured output kind must be one of {', '.join(STRUCTURED_OUTPUT_KINDS)}",
+               "structured_output")
+        _check(isinstance(self.spec, str), "a structured output's spec is text",
+               "structured_output")
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -31,6 +62,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token (0: only the sampled one)
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None  # None: unconstrained
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,6 +101,9 @@ class SamplingParams:
                "stop strings must be non-empty strings", "stop")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers", "stop_token_ids")
+        _check(self.structured_output is None
+               or isinstance(self.structured_output, StructuredOutput),
+               "structured_output must be a StructuredOutput", "structured_output")
 
     def for_child(self, index: int) -> SamplingParams:
         """Settings for choice ``index`` of an ``n``-way request: n=1, and a distinct seed."""

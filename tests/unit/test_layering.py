@@ -18,6 +18,7 @@ SRC = pathlib.Path(tokenmill.__file__).parent
 # Lowest first; a module may import its own layer and those below it.
 LAYERS = [
     {"errors", "sampling_params", "config", "options", "model_source"},
+    {"structured"},
     {"core"},
     {"hardware", "kernels", "models"},
     {"engine"},

@@ -3,10 +3,18 @@
 Synchronous and single-threaded: callers (the offline ``LLM`` or the server's engine
 thread) own the loop. Everything it returns is a frozen record, so the core could move
 to another process unchanged.
+
+Structured outputs: ``add_request`` starts the request's grammar (``GrammarCompiler``:
+compiled on a background thread, or found in its cache), and each step first looks at
+the grammars still compiling: a ready one lets its request be scheduled, a failed one
+(a grammar that does not compile, or takes longer than the compile timeout) finishes
+its request with reason ``error``. While nothing but compiling requests is left,
+``can_step`` is False: the caller waits (``wait_for_grammars``) instead of stepping.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
@@ -22,6 +30,8 @@ from tokenmill.core.types import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from tokenmill.structured.compiler import GrammarCompiler, Vocabulary
+from tokenmill.structured.grammar import GrammarError
 
 
 class StepFailed(RuntimeError):
@@ -53,17 +63,57 @@ class EngineCore:
         # called in each step once the scheduler has moved requests (before the forward
         # pass), so a caller can publish the waiting queue while the step computes
         self.on_scheduled: Callable[[], None] | None = None
+        self.grammars = GrammarCompiler(config.structured_output_compile_timeout)
+        self._compiled = threading.Event()  # set when a grammar compilation ends
+        self.grammars.on_compiled = self._compiled.set
+        self._compiling: dict[str, Request] = {}  # requests whose grammars are not ready
+
+    def set_vocabulary(self, vocabulary: Vocabulary) -> None:
+        """The tokenizer that structured outputs are compiled for (see ``GrammarCompiler``)."""
+        self.grammars.set_vocabulary(vocabulary)
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         if core_request.req_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {core_request.req_id!r}")
-        self.scheduler.add_request(Request(core_request))
+        request = Request(core_request)
+        constraint = core_request.sampling_params.structured_output
+        if constraint is not None:
+            request.grammar = self.grammars.start(constraint)
+            self._compiling[request.req_id] = request
+        self.scheduler.add_request(request)
 
     def abort_requests(self, req_ids: Iterable[str],
-                       reason: FinishReason = FinishReason.ABORT) -> None:
+                       reason: FinishReason = FinishReason.ABORT,
+                       error: str | None = None) -> None:
         """Finish the requests now (blocks freed); their outputs go out with the next step."""
         for request in self.scheduler.finish_requests(req_ids, reason):
+            self._compiling.pop(request.req_id, None)
+            request.error = error
             self._pending.append(self.scheduler.make_output(request, ()))
+
+    def _poll_grammars(self) -> None:
+        """Let requests whose grammars are ready be scheduled; fail those whose failed."""
+        for req_id, request in list(self._compiling.items()):
+            assert request.grammar is not None
+            try:
+                ready = request.grammar.poll()
+            except GrammarError as e:
+                self.abort_requests([req_id], FinishReason.ERROR, f"structured output: {e}")
+                continue
+            if ready:
+                del self._compiling[req_id]
+
+    def can_step(self) -> bool:
+        """Whether a step can do anything now: False while every unfinished request waits
+        for its grammar to compile (and no output is pending)."""
+        self._poll_grammars()
+        return bool(self._pending or self.scheduler.running
+                    or self.scheduler.num_waiting > len(self._compiling))
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Block until a grammar compilation ends, or ``timeout`` seconds."""
+        self._compiled.wait(timeout)
+        self._compiled.clear()
 
     def abort_all(self, reason: FinishReason) -> None:
         """``abort_requests`` for every request the core holds."""
@@ -78,6 +128,7 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         start = time.monotonic()
+        self._poll_grammars()
         scheduler_output = self.scheduler.schedule()
         if self.on_scheduled is not None:
             self.on_scheduled()
@@ -111,6 +162,7 @@ class EngineCore:
                 num_drafts=result.num_drafts,
                 num_draft_tokens=result.num_draft_tokens,
                 num_accepted_tokens=result.num_accepted_tokens,
+                grammar_compile_times=self.grammars.take_compile_times(),
             )
         return EngineCoreOutputs(tuple(outputs), self.scheduler.make_stats(), iteration)
 

@@ -91,3 +91,6 @@ class IterationStats:
     num_drafts: int = 0  # requests that verified speculative drafts
     num_draft_tokens: int = 0  # draft tokens verified
     num_accepted_tokens: int = 0  # of which accepted
+    # seconds each grammar compilation (structured output) took, of those done since the
+    # previous step that ran
+    grammar_compile_times: tuple[float, ...] = ()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from tokenmill.core.records import FinishReason, RequestCounters, RequestEvent, RequestEventType
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.matcher import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -70,6 +71,10 @@ class Request:
         self.is_prefilling = False  # between SCHEDULED and the step that commits a token
         self.has_been_scheduled = False
         self.events: list[RequestEvent] = []  # drained into each step's outputs
+        # The constraint's grammar (structured output): compiling until ready, then fed
+        # every committed token; kept through preemptions, like the output.
+        self.grammar: RequestGrammar | None = None
+        self.error: str | None = None  # why it finished with reason "error", when known
 
     @property
     def num_tokens(self) -> int:

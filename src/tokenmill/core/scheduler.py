@@ -15,6 +15,12 @@ no longer bound by reading the weights, and drafts would cost real compute. Afte
 its computed tokens advance past the accepted drafts only, and blocks that held
 nothing but rejected drafts go back to the pool.
 
+A request with a structured output waits in the queue until its grammar has compiled
+(``EngineCore`` compiles off the step): the scheduler passes over it, and the requests
+behind it go ahead, keeping their order. Once running, its grammar follows its output:
+``_commit`` feeds it each committed token, and the request stops (reason ``stop``) as
+soon as the grammar is complete; drafts are cut to what the grammar accepts.
+
 Queue accounting (the tokens-waiting gauges) is kept as running sums that change only
 when a request enters or leaves the waiting queue; nothing walks the queue per step::
 
@@ -146,14 +152,21 @@ class Scheduler:
             return ()
         room = min(budget, request.max_tokens - request.num_output_tokens,
                    self.max_model_len - request.num_tokens) - 1
-        return self.proposer.propose(request.all_token_ids, room)
+        drafts = self.proposer.propose(request.all_token_ids, room)
+        if drafts and request.grammar is not None:
+            drafts = drafts[:request.grammar.valid_drafts(drafts)]
+        return drafts
 
     def _schedule_waiting(self, budget: int,
                           out: list[tuple[Request, int, tuple[int, ...]]]) -> None:
+        compiling: list[Request] = []  # passed over: their grammars are not ready yet
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.is_finished:  # aborted while waiting
                 self.waiting.popleft()
+                continue
+            if request.grammar is not None and not request.grammar.ready:
+                compiling.append(self.waiting.popleft())
                 continue
             if request.group_id in self._prefilling_groups and self.kv.enable_prefix_caching:
                 break  # NOTE: wait for a sibling's prompt blocks to land in the prefix cache
@@ -173,6 +186,7 @@ class Scheduler:
             self._start_running(request)
             out.append((request, num_new, ()))
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
 
     def _count_cache_query(self, request: Request, num_cached: int) -> None:
         if request.has_been_scheduled:  # back from a preemption
@@ -232,6 +246,7 @@ class Scheduler:
             output_token_ids=request.output_token_ids,
             mask_stop_tokens=banned,
             draft_token_ids=drafts,
+            grammar=request.grammar,
         )
 
     # ---------------------------------------------------------------- update
@@ -282,6 +297,10 @@ class Scheduler:
         for token_id in token_ids:
             request.append_output_token(token_id)
             count += 1
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                request.error = f"the grammar rejected a sampled token: {request.grammar.error}"
+                reason = FinishReason.ERROR
+                break
             reason = self.check_stop(request)
             if reason is not None:
                 break
@@ -310,6 +329,7 @@ class Scheduler:
             finish_reason=request.finish_reason,
             num_cached_tokens=request.num_cached_tokens,
             counters=replace(request.counters) if finished else None,
+            error=request.error if finished else None,
         )
 
     # ---------------------------------------------------------------- finish
@@ -339,12 +359,16 @@ class Scheduler:
         del self.requests[request.req_id]
 
     def check_stop(self, request: Request) -> FinishReason | None:
-        """Why the request stops after its newest token, if it does."""
+        """Why the request stops after its newest token, if it does. A structured output
+        stops once its grammar is complete, whatever ``min_tokens`` and ``ignore_eos`` say
+        (the grammar would allow nothing but EOS)."""
         params = request.sampling_params
         last = request.output_token_ids[-1]
         if request.num_output_tokens >= params.min_tokens and (
                 (not params.ignore_eos and last in request.eos_token_ids)
                 or last in params.stop_token_ids):
+            return FinishReason.STOP
+        if request.grammar is not None and request.grammar.is_finished():
             return FinishReason.STOP
         if (request.num_output_tokens >= request.max_tokens
                 or request.num_tokens >= self.max_model_len):

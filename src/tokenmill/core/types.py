@@ -18,6 +18,7 @@ from tokenmill.core.records import (
     SchedulerStats,
 )
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.matcher import RequestGrammar
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,9 @@ class ScheduledRequest:
     output_token_ids: Sequence[int]  # for penalties and seeding
     mask_stop_tokens: frozenset[int] = frozenset()  # banned while below min_tokens
     draft_token_ids: tuple[int, ...] = ()
+    # NOTE: the request's own grammar state (a structured output), read-only here: the
+    # sampler's masks come from it; the scheduler feeds it the committed tokens.
+    grammar: RequestGrammar | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +92,7 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
     counters: RequestCounters | None = None  # its lifetime counters, once finished
+    error: str | None = None  # with finish reason "error": why, when the core knows
 
     @property
     def finished(self) -> bool:

@@ -2,8 +2,12 @@
 
     HTTP process                                         engine process
     AsyncEngine --EngineCoreRequest / Abort / None---->  run_engine_loop
+                --Vocabulary (once, at start) -------->
                 <------- QueueState, StepReport -------
                 <------- EngineInfo (once, at start) --
+
+(``Vocabulary``, the tokenizer that structured outputs compile for, is
+``structured.compiler``'s.)
 
 Standard library and the core's plain types only: the HTTP side imports this module
 and must stay free of torch, models and kernels.

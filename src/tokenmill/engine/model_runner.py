@@ -21,6 +21,7 @@ import torch
 from tokenmill.core.spec_decode import accept_drafts, verify_rows
 from tokenmill.core.types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.engine.sampler import Sampler, SamplingBatch
+from tokenmill.engine.sampling_batch import grammar_bitmask
 from tokenmill.kernels import NativeKernels
 from tokenmill.models.attention_metadata import AttentionMetadata
 
@@ -100,4 +101,5 @@ class ModelRunner:
             prompt_token_ids=rows.prompt_token_ids,
             output_token_ids=rows.output_token_ids,
             banned_token_ids=rows.banned_token_ids,
+            grammar=grammar_bitmask(items, self.vocab_size),  # structured outputs' masks
         )

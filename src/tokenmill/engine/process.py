@@ -3,6 +3,7 @@
     HTTP process (event loop)                        engine process
     -------------------------                        --------------
     AsyncEngine --EngineCoreRequest / Abort / None-->  reader thread -> inbox
+                --Vocabulary (once, at start) ----->
                 <------- QueueState, StepReport ----   run_engine_loop: drain inbox,
                                                       core.step(), publish
 
@@ -24,7 +25,8 @@ now, so the sender's admission control counts the queue as the core sees it, and
 gauges (and a Ray replica's reported token load) show a step's new requests and KV
 blocks, one message behind at most, even during a long step. When the core goes idle
 the loop publishes one more result, so gauges read zero as soon as the last request
-ends.
+ends. While the only requests left wait for their grammars to compile (structured
+outputs), the loop does not step: it sleeps until a compilation ends or a message comes.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from tokenmill.core.engine_core import EngineCore, StepFailed
 from tokenmill.core.records import FinishReason
 from tokenmill.core.types import EngineCoreOutputs
 from tokenmill.engine.messages import Abort, EngineInfo, QueueState, StepReport
+from tokenmill.structured.compiler import Vocabulary
 
 logger = logging.getLogger("tokenmill")
 
@@ -88,6 +91,7 @@ def run_engine_loop(core: EngineCore, conn: Connection) -> None:
         taken_requests = taken_tokens = 0
 
     core.on_scheduled = publish_queue
+    core.grammars.on_compiled = inbox.wakeup.set
 
     try:
         while True:
@@ -98,6 +102,8 @@ def run_engine_loop(core: EngineCore, conn: Connection) -> None:
                         return
                     if isinstance(item, Abort):
                         core.abort_requests(item.req_ids, item.reason)
+                    elif isinstance(item, Vocabulary):
+                        core.set_vocabulary(item)
                     else:
                         core.add_request(item)
                         taken_requests += 1
@@ -108,6 +114,10 @@ def run_engine_loop(core: EngineCore, conn: Connection) -> None:
                         core.check_integrity()
                         idle_published = True
                     inbox.wakeup.wait(timeout=1.0)
+                    inbox.wakeup.clear()
+                    continue
+                if not core.can_step():  # only grammars compiling: wait for one, or a message
+                    inbox.wakeup.wait(timeout=0.05)
                     inbox.wakeup.clear()
                     continue
                 idle_published = False

@@ -6,6 +6,8 @@ the logprobs when asked for; top-p's check that its candidates hold top_p.
 
 Per row, in this order (as vLLM does):
 
+    grammar's forbidden ids -> -inf                       (rows with a structured output:
+                                                           grammar_mask.py)
     raw logprobs = log_softmax(logits)                    (what ``logprobs`` reports)
     banned ids (min_tokens not reached) -> -inf
     repetition penalty on prompt+output tokens; frequency/presence on output tokens
@@ -40,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.core.types import TokenLogprob
+from tokenmill.engine.grammar_mask import apply_bitmask
 from tokenmill.engine.sampling_batch import PenaltySettings, SamplingBatch
 from tokenmill.kernels import NativeKernels
 
@@ -70,6 +73,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, "one row per request"
+        if batch.grammar_rows is not None:
+            assert batch.grammar_bitmask is not None
+            apply_bitmask(logits, batch.grammar_rows, batch.grammar_bitmask)
         plain = batch.penalties is None and batch.banned is None and batch.logprob_rows is None
         if plain and batch.all_greedy:
             return SamplerOutput(self._greedy(logits).tolist(), [None] * batch.num_rows)

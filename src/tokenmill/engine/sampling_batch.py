@@ -3,6 +3,9 @@
 ``SamplingBatch.build`` reads each row's ``SamplingParams`` (plus its prompt/output
 tokens for penalties and seeds, and its banned ids) and leaves None every setting no
 row uses, so the sampler skips that work. Row i of every tensor is row i of the logits.
+
+``grammar_bitmask`` computes the allowed-token bitmasks of the rows of requests with a
+structured output (from their grammars, ``tokenmill.structured``), for ``build``.
 """
 
 from __future__ import annotations
@@ -11,9 +14,12 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
+from tokenmill.core.types import ScheduledRequest
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.matcher import bitmask_width, fill_bitmasks
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -60,13 +66,16 @@ class SamplingBatch:
     logprob_rows: torch.Tensor | None  # [L] rows that asked for logprobs
     logprob_row_list: tuple[int, ...]
     max_num_logprobs: int
+    grammar_rows: torch.Tensor | None = None  # [G] rows with a structured output
+    grammar_bitmask: torch.Tensor | None = None  # [G, ceil(V / 32)] int32: allowed tokens
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], vocab_size: int,
               device: torch.device | str,
               prompt_token_ids: Sequence[Sequence[int]] | None = None,
               output_token_ids: Sequence[Sequence[int]] | None = None,
-              banned_token_ids: Sequence[Collection[int]] | None = None) -> SamplingBatch:
+              banned_token_ids: Sequence[Collection[int]] | None = None,
+              grammar: tuple[Sequence[int], np.ndarray] | None = None) -> SamplingBatch:
         """Settings for rows ``0..len(params)-1``, in the order of the logits' rows.
 
         ``output_token_ids[i]`` are the tokens row i's request output before the one
@@ -74,6 +83,7 @@ class SamplingBatch:
         the output plus drafts 0..j-1). ``prompt_token_ids`` are needed for repetition
         penalties; ``banned_token_ids[i]`` are ids row i may not sample this step
         (EOS/stop ids before ``min_tokens``). Ids at or beyond ``vocab_size`` are ignored.
+        ``grammar`` is ``grammar_bitmask``'s (rows, bitmasks), or None.
         """
         n = len(params)
         greedy = [p.greedy for p in params]
@@ -96,7 +106,32 @@ class SamplingBatch:
             logprob_rows=(torch.tensor(logprob_rows, device=device) if logprob_rows else None),
             logprob_row_list=tuple(logprob_rows),
             max_num_logprobs=max((params[i].logprobs or 0 for i in logprob_rows), default=0),
+            grammar_rows=(torch.tensor(grammar[0], device=device) if grammar else None),
+            grammar_bitmask=(torch.from_numpy(grammar[1]).to(device) if grammar else None),
         )
+
+
+def grammar_bitmask(items: Sequence[ScheduledRequest],
+                    vocab_size: int) -> tuple[list[int], np.ndarray] | None:
+    """(rows, bitmasks) of the sampled rows of requests with a grammar, rows laid out as
+    ``spec_decode.verify_rows`` lays them out (1 + k per request with k drafts; row j sees
+    drafts 1..j as output); bitmask i, over ``vocab_size`` tokens, is rows[i]'s. None
+    when no request has a grammar."""
+    entries = []
+    rows: list[int] = []
+    row = 0
+    for item in items:
+        num_rows = 1 + len(item.draft_token_ids)
+        if item.grammar is not None:
+            item.grammar.sync(item.output_token_ids)
+            entries.append((item.grammar, len(rows), item.draft_token_ids))
+            rows.extend(range(row, row + num_rows))
+        row += num_rows
+    if not entries:
+        return None
+    bitmask = np.zeros((len(rows), bitmask_width(vocab_size)), dtype=np.int32)
+    fill_bitmasks(entries, bitmask)
+    return rows, bitmask
 
 
 def _filter_settings(params: Sequence[SamplingParams], greedy: list[bool], vocab_size: int,

@@ -30,6 +30,7 @@ from tokenmill.frontend.outputs import ChoiceDelta
 from tokenmill.frontend.request_log import RequestLog
 from tokenmill.frontend.request_state import ChoiceState, open_choices
 from tokenmill.metrics.stats import RequestStats
+from tokenmill.structured.compiler import Vocabulary
 from tokenmill.tokenizer.tokenizer import Tokenizer
 
 
@@ -145,7 +146,11 @@ class AsyncEngine:
         self._attached.set()
         self._send(None)
 
-    def _send(self, item: EngineCoreRequest | Abort | None) -> None:
+    def set_vocabulary(self, vocabulary: Vocabulary) -> None:
+        """Give the engine the tokenizer its grammars compile for (before any request)."""
+        self._send(vocabulary)
+
+    def _send(self, item: EngineCoreRequest | Abort | Vocabulary | None) -> None:
         with self._send_lock:
             try:
                 self.conn.send(item)
@@ -251,5 +256,5 @@ class AsyncEngine:
             if out.finished:
                 del self._streams[out.req_id]
                 if out.finish_reason is FinishReason.ERROR:
-                    stream.error = result.error
+                    stream.error = out.error or result.error
             stream._on_output(out)

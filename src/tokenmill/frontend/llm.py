@@ -35,6 +35,7 @@ class LLM:
         self.engine: Engine = build_engine(EngineConfig(model=model, **options))
         self.tokenizer: Tokenizer = load_tokenizer(model)
         self.processor = InputProcessor(self.tokenizer, self.engine.info)
+        self.engine.core.set_vocabulary(self.processor.vocabulary())
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -89,6 +90,9 @@ class LLM:
         pending = set(choices)
         try:
             while pending:
+                if not core.can_step():  # only grammars compiling (structured outputs)
+                    core.wait_for_grammars(timeout=0.05)
+                    continue
                 for out in core.step().outputs:
                     if out.req_id not in choices:
                         continue

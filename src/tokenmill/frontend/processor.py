@@ -13,6 +13,7 @@ from tokenmill.core.request import EngineCoreRequest
 from tokenmill.engine.messages import EngineInfo
 from tokenmill.errors import InvalidParameterError
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.compiler import Vocabulary
 from tokenmill.tokenizer.tokenizer import Tokenizer
 
 
@@ -26,6 +27,12 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.max_model_len = info.max_model_len
         self.vocab_size = min(info.vocab_size, tokenizer.vocab_size)
+        self.model_vocab_size = info.vocab_size
+
+    def vocabulary(self) -> Vocabulary:
+        """What the engine's grammar compiler needs of the tokenizer (structured outputs)."""
+        return Vocabulary(self.tokenizer.backend.to_str(), self.model_vocab_size,
+                          tuple(sorted(self.tokenizer.eos_token_ids)))
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a text prompt, or a token-id prompt checked against the vocabulary."""

@@ -50,6 +50,8 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 ITERATION_TOKEN_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0,
                            4096.0, 8192.0, 16384.0)
 # fmt: on
+GRAMMAR_COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                           1.0, 2.5, 5.0, 10.0, 30.0)
 TOKEN_COUNT_BUCKETS = _one_two_five(1_000_000)
 PREEMPTION_BUCKETS = (0.0, *_one_two_five(100))
 PARAMS_N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
@@ -108,6 +110,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("spec_accepted_tokens", _C, "tokenmill_spec_decode_num_accepted_tokens_total",
                "vllm:spec_decode_num_accepted_tokens_total",
                "Draft tokens accepted (committed as sampled by the model)."),
+    MetricSpec("grammar_compilations", _C, "tokenmill_grammar_compilations_total", None,
+               "Grammars compiled for structured outputs and tool calls (cache misses; "
+               "failed compilations included)."),
     MetricSpec("success", _C, "tokenmill_request_success_total", "vllm:request_success_total",
                "Finished requests by finish reason.", label="finished_reason"),
     MetricSpec("rejections", _C, "tokenmill_admission_rejections_total", None,
@@ -150,6 +155,9 @@ METRICS: tuple[MetricSpec, ...] = (
                buckets=ITERATION_TOKEN_BUCKETS),
     MetricSpec("step_time", _H, "tokenmill_engine_step_seconds", None,
                "Engine step duration: schedule + forward + update.", buckets=STEP_BUCKETS),
+    MetricSpec("grammar_compile", _H, "tokenmill_grammar_compile_seconds", None,
+               "Time to compile one grammar (on the engine's compile thread, off its step).",
+               buckets=GRAMMAR_COMPILE_BUCKETS),
     MetricSpec("params_n", _H, "tokenmill_request_params_n", "vllm:request_params_n",
                "The n parameter of API requests.", buckets=PARAMS_N_BUCKETS),
     MetricSpec("params_max_tokens", _H, "tokenmill_request_params_max_tokens",
@@ -239,6 +247,9 @@ class PrometheusMetrics:
         self._inc("spec_accepted_tokens", iteration.num_accepted_tokens)
         self._observe("iteration_tokens", iteration.num_scheduled_tokens)
         self._observe("step_time", iteration.step_time)
+        self._inc("grammar_compilations", len(iteration.grammar_compile_times))
+        for seconds in iteration.grammar_compile_times:
+            self._observe("grammar_compile", seconds)
 
     def record_finished(self, stats: RequestStats) -> None:
         """Count a finished request (any reason, aborts included) and observe its stats."""

@@ -65,6 +65,7 @@ def build_server(server: ServerConfig, config: EngineConfig, conn: Connection,
     async_engine = AsyncEngine(conn, tokenizer, [*step_sinks, *extra_step_sinks], finished_sinks,
                                config.max_num_queued_requests, config.max_num_queued_tokens,
                                request_log)
+    async_engine.set_vocabulary(processor.vocabulary())
     lifecycle = ServerLifecycle(async_engine, server.shutdown_timeout)
     engine_limits = {"max_num_seqs": config.max_num_seqs,
                      "max_num_batched_tokens": config.max_num_batched_tokens,
@@ -138,9 +139,10 @@ def build_app(engine: AsyncEngine, processor: InputProcessor, metrics: Prometheu
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
+            tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
             tokens = engine.tokenizer.apply_chat_template(
-                [m.model_dump(exclude_none=True) for m in body.messages],
-                add_generation_prompt=body.add_generation_prompt)
+                [m.template_dict() for m in body.messages],
+                add_generation_prompt=body.add_generation_prompt, tools=tools or None)
         else:
             tokens = engine.tokenizer.encode(body.prompt,
                                              add_special_tokens=body.add_special_tokens)

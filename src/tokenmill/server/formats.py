@@ -1,11 +1,25 @@
-"""How a choice's delta is spelled in each endpoint's JSON (completions vs chat)."""
+"""How a choice's delta is spelled in each endpoint's JSON (completions vs chat).
+
+A chat request with tools reads each choice's text through the plan's ``CallStream``
+(``server/tools.py``): the chunks carry ``delta.tool_calls`` where the text held calls,
+and a delta whose text is all held back (a call still being written) gives no chunk;
+its logprobs go out with the next chunk of that choice.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from tokenmill.core.types import TokenLogprob
+from tokenmill.server.tools import CallStream, ToolPlan, parse
 from tokenmill.tokenizer.tokenizer import Tokenizer
+
+# JSON has no -Infinity: a token a grammar forbids (probability 0) reports this, as vLLM does
+MIN_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
 
 
 class CompletionFormat:
@@ -36,8 +50,9 @@ class CompletionFormat:
         tops = []
         for entry in entries:
             names = self.token_texts([t for t, _ in entry.top])
-            tops.append({name: lp for name, (_, lp) in zip(names, entry.top, strict=True)})
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            tops.append({name: _finite(lp)
+                         for name, (_, lp) in zip(names, entry.top, strict=True)})
+        return {"tokens": tokens, "token_logprobs": [_finite(e.logprob) for e in entries],
                 "top_logprobs": tops, "text_offset": []}
 
 
@@ -46,17 +61,72 @@ class ChatFormat(CompletionFormat):
     object_full = "chat.completion"
     id_prefix = "chatcmpl-"
 
+    def __init__(self, tokenizer: Tokenizer, tools: ToolPlan | None = None) -> None:
+        super().__init__(tokenizer)
+        self.tools = tools
+        self._streams: dict[int, CallStream] = {}  # by choice index
+        self._called: set[int] = set()  # choices whose text held tool calls
+        self._held_logprobs: dict[int, list[TokenLogprob]] = {}
+
     def stream_choice(self, index: int, text: str, logprobs: Sequence[TokenLogprob] | None,
-                      finish_reason: str | None, stop_reason, first: bool) -> dict:
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
-        return {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs),
-                "finish_reason": finish_reason, "stop_reason": stop_reason}
+                      finish_reason: str | None, stop_reason, first: bool) -> dict | None:
+        stream = self._stream(index)
+        if stream is None:
+            delta: dict = {"role": "assistant", "content": text} if first else {"content": text}
+            return {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs),
+                    "finish_reason": finish_reason, "stop_reason": stop_reason}
+        content, calls = stream.feed(text)
+        if finish_reason is not None:
+            more_content, more_calls = stream.finish()
+            content, calls = content + more_content, calls + more_calls
+        held = self._held_logprobs.setdefault(index, [])
+        held.extend(logprobs or ())
+        if not content and not calls and finish_reason is None:
+            return None  # all held back: no chunk yet
+        if calls:
+            self._called.add(index)
+        delta = {"role": "assistant"} if first else {}
+        if content or (first and not calls):
+            delta["content"] = content
+        elif first:
+            delta["content"] = None
+        if calls:
+            delta["tool_calls"] = calls
+        entries = None if logprobs is None and not held else list(held)
+        held.clear()
+        return {"index": index, "delta": delta, "logprobs": self.logprobs(entries),
+                "finish_reason": self._finish_reason(index, finish_reason),
+                "stop_reason": stop_reason}
 
     def full_choice(self, index: int, text: str, logprobs: Sequence[TokenLogprob] | None,
                     finish_reason: str | None, stop_reason) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason,
+        message: dict = {"role": "assistant", "content": text}
+        stream = self.tools.stream() if self.tools is not None else None
+        if stream is not None:
+            content, calls = parse(stream, text)
+            if calls:
+                self._called.add(index)
+                message = {"role": "assistant", "content": content if content.strip() else None,
+                           "tool_calls": calls}
+            else:
+                message["content"] = content
+        return {"index": index, "message": message, "logprobs": self.logprobs(logprobs),
+                "finish_reason": self._finish_reason(index, finish_reason),
                 "stop_reason": stop_reason}
+
+    def _stream(self, index: int) -> CallStream | None:
+        if self.tools is None:
+            return None
+        if index not in self._streams:
+            stream = self.tools.stream()
+            if stream is None:
+                return None
+            self._streams[index] = stream
+        return self._streams[index]
+
+    def _finish_reason(self, index: int, finish_reason: str | None) -> str | None:
+        """``stop`` reads ``tool_calls`` for a choice that called tools (as OpenAI's)."""
+        return "tool_calls" if finish_reason == "stop" and index in self._called else finish_reason
 
     def logprobs(self, entries: Sequence[TokenLogprob] | None) -> dict | None:
         if entries is None:
@@ -66,8 +136,9 @@ class ChatFormat(CompletionFormat):
             [token] = self.token_texts([entry.token_id])
             names = self.token_texts([t for t, _ in entry.top])
             content.append({
-                "token": token, "logprob": entry.logprob, "bytes": list(token.encode()),
-                "top_logprobs": [{"token": name, "logprob": lp, "bytes": list(name.encode())}
+                "token": token, "logprob": _finite(entry.logprob), "bytes": list(token.encode()),
+                "top_logprobs": [{"token": name, "logprob": _finite(lp),
+                                  "bytes": list(name.encode())}
                                  for name, (_, lp) in zip(names, entry.top, strict=True)],
             })
         return {"content": content}

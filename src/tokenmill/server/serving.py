@@ -3,7 +3,15 @@
 Usage accounting (SPEC section 2): per-chunk usage is cumulative for the chunk's
 choice; the final usage counts each prompt once and sums completion tokens over all
 choices. Every chunk of a choice carries at least one committed token, except its
-finish chunk when the choice ended without one (a stop string or an abort).
+finish chunk when the choice ended without one (a stop string or an abort). With tools,
+a delta whose text is held back (a tool call still being written) sends no chunk; the
+next chunk's usage counts its tokens.
+
+Structured outputs and tools are checked here, before anything reaches the engine: the
+constraint (``response_format``, ``structured_outputs``, ``guided_*``, or the grammar a
+``tool_choice`` implies) must compile, which llguidance checks on a worker thread (a
+large grammar takes milliseconds; the result is cached), or the request gets a 400
+naming the field.
 """
 
 from __future__ import annotations
@@ -22,14 +30,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive
 
 from tokenmill.config import ServerConfig
+from tokenmill.errors import InvalidParameterError
 from tokenmill.frontend.async_engine import AdmissionRejected, AsyncEngine, RequestStream
 from tokenmill.frontend.outputs import ChoiceDelta
 from tokenmill.frontend.processor import InputProcessor
 from tokenmill.metrics.prometheus import PrometheusMetrics
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutput
 from tokenmill.server.errors import APIError, error_body
 from tokenmill.server.formats import ChatFormat, CompletionFormat
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, _Common
+from tokenmill.server.tools import ToolPlan, parser_for_template, plan_tools
+from tokenmill.structured.grammar import GrammarError, check_structured_output
 
 logger = logging.getLogger("tokenmill")
 
@@ -78,10 +89,14 @@ class OpenAIServing:
         self.metrics = metrics
         self.options = options
         self.tokenizer = engine.tokenizer
+        parser = options.tool_call_parser
+        self.tool_call_parser = (parser_for_template(self.tokenizer.chat_template)
+                                 if parser == "auto" else parser)
 
     # ---------------------------------------------------------------- entry
     async def completions(self, body: CompletionRequest, request_id: str, receive: Receive):
         params = self._checked_params(body, "logprobs")
+        await self._check_constraint(*body.structured_output())
         prompts = body.prompts()
         self.options.limits.check_num_prompts(len(prompts))
         prompt_ids = [self.processor.tokenize(p) for p in prompts]
@@ -93,10 +108,42 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, request_id: str, receive: Receive):
         params = self._checked_params(body, "top_logprobs")
+        constraint, field = body.structured_output()
+        plan = self._tool_plan(body)
+        if plan.constraint is not None:
+            if constraint is not None:
+                raise InvalidParameterError(
+                    f"tool_choice {plan.mode!r} writes the output with a grammar of its own; "
+                    f"it cannot be combined with {field}", "tool_choice")
+            constraint, field = plan.constraint, "tools"
+            params.structured_output = constraint
+        await self._check_constraint(constraint, field)
         ids = self.tokenizer.apply_chat_template(body.message_dicts(),
-                                                 add_generation_prompt=body.add_generation_prompt)
+                                                 add_generation_prompt=body.add_generation_prompt,
+                                                 tools=plan.tools)
         return await self._serve(body, params, request_id, [self.processor.tokenize(ids)], None,
-                                 ChatFormat(self.tokenizer), receive)
+                                 ChatFormat(self.tokenizer, plan), receive)
+
+    def _tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
+        choice = body.tool_choice
+        return plan_tools(
+            [t.model_dump(exclude_none=True) for t in body.tools or ()],
+            choice.model_dump() if choice is not None and not isinstance(choice, str) else choice,
+            body.parallel_tool_calls, self.tokenizer.supports_tools, self.tool_call_parser)
+
+    async def _check_constraint(self, constraint: StructuredOutput | None,
+                                field: str | None) -> None:
+        """A 400 naming ``field`` unless ``constraint`` is within the limits and compiles."""
+        if constraint is None:
+            return
+        self.options.limits.check_structured_output(constraint, field or "structured_outputs")
+        try:
+            await asyncio.to_thread(check_structured_output, constraint)
+        except GrammarError as e:
+            what = {"json": "JSON schema", "regex": "regex", "choice": "choice list",
+                    "grammar": "grammar"}[constraint.kind]
+            raise InvalidParameterError(f"{field}: the {what} does not compile: {e}",
+                                        field) from None
 
     def _checked_params(self, body: _Common, logprobs_param: str) -> SamplingParams:
         """The request's sampling settings, once the model, fields and limits are checked."""
@@ -169,6 +216,8 @@ class OpenAIServing:
                 text = job.echo_texts[job.prompt_index(delta.index)] + text
             choice = fmt.stream_choice(delta.index, text, delta.logprobs, delta.finish_reason,
                                        delta.stop_reason, delta.index not in started)
+            if choice is None:  # held back (a tool call being written): no chunk yet
+                continue
             started.add(delta.index)
             chunk = {**head, "choices": [choice]}
             if continuous:

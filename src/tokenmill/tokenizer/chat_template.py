@@ -18,6 +18,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -79,11 +80,16 @@ class ChatTemplate:
     instance may render on several threads at once."""
 
     def __init__(self, source: str, special_tokens: Mapping[str, str]) -> None:
+        environment = _environment()
         try:
-            self._template = _environment().from_string(source)
+            self._template = environment.from_string(source)
+            names = jinja2.meta.find_undeclared_variables(environment.parse(source))
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"the chat template is not valid Jinja: {e}") from e
         self._special_tokens = dict(special_tokens)
+        self.source = source
+        # a template that never reads ``tools`` cannot show the model any tool
+        self.supports_tools = "tools" in names
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                tools: Sequence[Mapping[str, Any]] | None = None,

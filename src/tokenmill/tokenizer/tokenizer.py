@@ -80,9 +80,16 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders ``tools`` (the model can be shown them)."""
+        return isinstance(self._template, ChatTemplate) and self._template.supports_tools
+
     def render_chat(self, messages: Sequence[dict[str, Any]],
-                    add_generation_prompt: bool = True) -> str:
-        """The chat template's text for ``messages`` (see ``apply_chat_template``)."""
+                    add_generation_prompt: bool = True,
+                    tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """The chat template's text for ``messages`` (see ``apply_chat_template``), with
+        ``tools`` (OpenAI's tool objects) for a template that renders them."""
         if isinstance(self._template, ValueError):
             raise self._template
         if self._template is None:
@@ -90,13 +97,15 @@ class Tokenizer:
                              "use the completions API or a model that ships one")
         conversation = [_flatten_message(m) for m in _check_messages(messages)]
         try:
-            return self._template.render(conversation, add_generation_prompt)
+            return self._template.render(conversation, add_generation_prompt,
+                                         tools=list(tools) if tools else None)
         except jinja2.TemplateError as e:  # raise_exception() in a template: bad conversation
             raise InvalidParameterError(f"chat template rejected the messages: {e}",
                                         "messages") from e
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> list[int]:
+                            add_generation_prompt: bool = True,
+                            tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of the rendered conversation.
 
         A message's ``content`` is a string, None (an empty turn), or a list of content
@@ -104,7 +113,7 @@ class Tokenizer:
         joined with newlines, as vLLM does. The template writes any BOS itself, so the
         rendered text is encoded without adding special tokens.
         """
-        text = self.render_chat(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, tools)
         return self.encode(text, add_special_tokens=False)
 
 
