@@ -209,18 +209,23 @@ def _write_tokenizer_gguf(path, metadata: dict, pre: str) -> None:
     writer.close()
 
 
-def test_metadata_reader_and_transformers_fallback(tmp_path, smol_metadata) -> None:
-    # An unlisted pre-tokenizer name goes through transformers' GGUF conversion.
+def test_metadata_reader_and_eos_ids(tmp_path, smol_metadata) -> None:
     path = tmp_path / "custom.gguf"
-    _write_tokenizer_gguf(path, smol_metadata, pre="an-unlisted-pre-tokenizer")
+    _write_tokenizer_gguf(path, smol_metadata, pre="llama-bpe")
     meta = read_gguf_metadata(str(path))
     assert meta["test.float"] == 0.5 and meta["test.ints"] == [3, -4, 5]
     assert meta["test.flag"] is True
     assert meta["tokenizer.ggml.tokens"] == smol_metadata["tokenizer.ggml.tokens"]
-    tok = load_tokenizer(str(path))
-    assert tok.eos_token_ids == frozenset({0, 2})  # EOS plus end-of-turn
-    assert tok.encode("Hello world, how are you?") == build_byte_level_bpe(
-        smol_metadata).encode("Hello world, how are you?").ids
+    assert load_tokenizer(str(path)).eos_token_ids == frozenset({0, 2})  # EOS, end-of-turn
+
+
+def test_an_unknown_pre_tokenizer_is_one_clear_error(tmp_path, smol_metadata) -> None:
+    # llama.cpp refuses it too; splitting some other way would give other token ids
+    path = tmp_path / "custom.gguf"
+    _write_tokenizer_gguf(path, smol_metadata, pre="an-unlisted-pre-tokenizer")
+    with pytest.raises(ValueError, match=r"custom\.gguf: .*pre-tokenizer "
+                                         r"'an-unlisted-pre-tokenizer'.*supported: .*qwen2"):
+        load_tokenizer(str(path))
 
 
 TEMPLATES = {

@@ -39,6 +39,10 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -55,6 +59,7 @@ def _split_then_bytes(*patterns: str) -> pre_tokenizers.PreTokenizer:
 _SMOLLM = _split_then_bytes(r"\p{N}", _GPT2_SPLIT)  # every digit on its own, then GPT-2
 _LLAMA3 = _split_then_bytes(_LLAMA3_SPLIT)
 _QWEN2 = _split_then_bytes(_QWEN2_SPLIT)
+_QWEN35 = _split_then_bytes(_QWEN35_SPLIT)
 _GPT2 = _split_then_bytes(_GPT2_SPLIT)
 
 PRE_TOKENIZERS: dict[str, pre_tokenizers.PreTokenizer] = {
@@ -68,9 +73,14 @@ PRE_TOKENIZERS: dict[str, pre_tokenizers.PreTokenizer] = {
     "llama-v3": _LLAMA3,
     "llama-bpe": _LLAMA3,
     "smaug-bpe": _LLAMA3,
+    "pixtral": _LLAMA3,
     "qwen2": _QWEN2,
     "deepseek-r1-qwen": _QWEN2,
+    "qwen35": _QWEN35,
 }
+# Pre-tokenizers whose words are looked up whole before any merge (llama.cpp's
+# ``ignore_merges``; ``"ignore_merges": true`` in the original tokenizer.json)
+IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "pixtral"})
 
 
 def read_gguf_metadata(path: str) -> dict[str, Any]:
@@ -143,8 +153,10 @@ def build_byte_level_bpe(metadata: dict[str, Any]) -> Tokenizer:
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
     vocab = {token: i for i, token in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = PRE_TOKENIZERS[metadata.get("tokenizer.ggml.pre", "default")]
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                               ignore_merges=pre in IGNORE_MERGES))
+    tok.pre_tokenizer = PRE_TOKENIZERS[pre]
     tok.decoder = decoders.ByteLevel()
     kinds = list(zip(tokens, metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens),
                      strict=True))

@@ -4,16 +4,17 @@
 
 - ``None``: the embedded SmolLM2-135M-Instruct GGUF (``model_source.default_model_path``);
 - a ``.gguf`` file: vocabulary, merges, special tokens and chat template come from the
-  file's metadata (byte-level BPE vocabularies are built by ``gguf_vocab``);
+  file's metadata (byte-level BPE vocabularies are built by ``gguf_vocab``, SentencePiece
+  ones by ``gguf_sentencepiece``, both as llama.cpp tokenizes; any other kind is an error
+  naming what is supported);
 - a folder with ``tokenizer.json``: the Hugging Face tokenizer, its chat template
   (``tokenizer_config.json`` or ``chat_template.jinja``), its special tokens and the EOS
   ids of ``generation_config.json`` (Llama 3 lists several).
 
 Both read with the ``tokenizers`` library and render templates with jinja2
 (``chat_template``), so the HTTP process that tokenises never imports transformers or
-torch. Only a source those cannot read (a vocabulary kind ``gguf_vocab`` does not build, a
-folder with a SentencePiece ``tokenizer.model`` and no ``tokenizer.json``) is converted by
-transformers, which imports torch; the log says so.
+torch. Only a folder with a SentencePiece ``tokenizer.model`` and no ``tokenizer.json`` is
+converted by transformers, which imports torch; the log says so.
 
 Nothing is downloaded. ``Tokenizer`` methods call the Rust backend directly (no
 per-call Python setup, no state changed by a call), so calling them from the asyncio
@@ -37,7 +38,9 @@ from tokenizers import Tokenizer as Backend
 from tokenmill.errors import InvalidParameterError
 from tokenmill.model_source import default_model_path
 from tokenmill.tokenizer.chat_template import ChatTemplate
+from tokenmill.tokenizer.gguf_sentencepiece import build_sentencepiece, supports_sentencepiece
 from tokenmill.tokenizer.gguf_vocab import (
+    PRE_TOKENIZERS,
     build_byte_level_bpe,
     read_gguf_metadata,
     supports_byte_level_bpe,
@@ -195,7 +198,7 @@ def _load_hf_folder(folder: str) -> Tokenizer:
         except Exception as e:  # noqa: BLE001 - the Rust loader's errors have no common base
             raise ValueError(f"cannot load the tokenizer in {folder}: {e}") from None
     else:
-        backend, template, special = _convert_with_transformers(folder, None, template, special)
+        backend, template, special = _convert_with_transformers(folder, template, special)
     eos_ids = {backend.token_to_id(special["eos_token"])} if "eos_token" in special else set()
     generation = _read_json(os.path.join(folder, "generation_config.json")) or {}
     listed = generation.get("eos_token_id")
@@ -213,30 +216,40 @@ def _load_gguf(path: str) -> Tokenizer:
     template = metadata.get("tokenizer.chat_template")
     if supports_byte_level_bpe(metadata):
         backend = build_byte_level_bpe(metadata)
+    elif supports_sentencepiece(metadata):
+        backend = build_sentencepiece(metadata)
     else:
-        backend, template, special = _convert_with_transformers(
-            os.path.dirname(path), os.path.basename(path), template, special)
+        raise ValueError(f"{path}: {_unsupported_vocabulary(metadata)}")
     eos_ids = [metadata[k] for k in _GGUF_EOS_KEYS if k in metadata]
     return Tokenizer(backend, eos_ids, path, template, special)
 
 
-def _convert_with_transformers(folder: str, gguf_file: str | None, template: str | None,
-                               special: dict[str, str]
+def _unsupported_vocabulary(metadata: dict[str, Any]) -> str:
+    """One line: which GGUF vocabulary this is and which ones are served."""
+    kind = metadata.get("tokenizer.ggml.model")
+    if kind == "gpt2":
+        pre = metadata.get("tokenizer.ggml.pre", "default")
+        return (f"its byte-level BPE vocabulary names the pre-tokenizer {pre!r}, which is "
+                f"not supported (supported: {', '.join(sorted(PRE_TOKENIZERS))})")
+    return (f"its vocabulary kind tokenizer.ggml.model = {kind!r} is not supported "
+            "(supported: 'gpt2', byte-level BPE, and 'llama', SentencePiece)")
+
+
+def _convert_with_transformers(folder: str, template: str | None, special: dict[str, str]
                                ) -> tuple[Backend, str | None, dict[str, str]]:
-    """A vocabulary only transformers can convert (SentencePiece files, GGUF vocabularies
-    ``gguf_vocab`` does not build): its backend, template and special tokens."""
-    source = os.path.join(folder, gguf_file) if gguf_file else folder
-    logger.info("%s: converting the tokenizer with transformers (this imports torch)", source)
+    """A folder's SentencePiece ``tokenizer.model`` without ``tokenizer.json``, converted
+    by transformers: its backend, template and special tokens."""
+    logger.info("%s: converting the tokenizer with transformers (this imports torch)", folder)
     from transformers import AutoTokenizer
 
     try:
-        hf = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True,
+        hf = AutoTokenizer.from_pretrained(folder, local_files_only=True,
                                            use_fast=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot load the tokenizer in {source}: {e}") from e
+        raise ValueError(f"cannot load the tokenizer in {folder}: {e}") from e
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is None:
-        raise ValueError(f"{source}: only fast (tokenizer.json) tokenizers are supported")
+        raise ValueError(f"{folder}: only fast (tokenizer.json) tokenizers are supported")
     named = {name: value for name in ("bos_token", "eos_token", "unk_token", "pad_token")
              if isinstance(value := getattr(hf, name, None), str)}
     return backend, template or hf.chat_template, {**named, **special}
