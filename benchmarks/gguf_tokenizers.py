@@ -73,7 +73,7 @@ def main() -> None:
             results.append(compare(args.llama_tokenize, path, name, cases))
             if args.no_space_prefix and read_gguf_metadata(path).get(
                     "tokenizer.ggml.model") == "llama":
-                variant = without_space_prefix(path, os.path.join(scratch, "variant.gguf"))
+                variant = without_space_prefix(path, os.path.join(scratch, f"no-prefix-{name}"))
                 results.append(compare(args.llama_tokenize, variant,
                                        f"{name} (no space prefix)", cases))
     table = Table(title=f"tokenmill vs llama.cpp token ids, {len(cases)} cases "

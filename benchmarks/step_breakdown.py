@@ -52,11 +52,11 @@ from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.sampler import Sampler
 from tokenmill.frontend import request_state
-from tokenmill.server.run import serve
 from tokenmill.models import layers, llama
 from tokenmill.models.attention import AttentionBackend
 from tokenmill.models.attention_native import NativeDecode, NativePrefill
 from tokenmill.models.attention_sdpa import SdpaDecode, SdpaPrefill
+from tokenmill.server.run import serve
 
 SNAPSHOT_ENV = "STEP_BREAKDOWN_FILE"
 SNAPSHOT_PERIOD_S = 0.2

@@ -14,10 +14,10 @@ import os
 
 import pytest
 from transformers import PreTrainedTokenizerFast
-from vocab_files import VOCAB_DIR
 
 from tokenmill.tokenizer.chat_template import ChatTemplate
 from tokenmill.tokenizer.tokenizer import load_tokenizer
+from vocab_files import VOCAB_DIR
 
 TEMPLATE_DIR = os.path.join(os.path.dirname(VOCAB_DIR), "chat_templates")
 TEMPLATES = sorted(glob.glob(os.path.join(TEMPLATE_DIR, "*.jinja")))

@@ -42,7 +42,7 @@ def smol_metadata() -> dict:
 
 def test_embedded_tokenizer_basics(smol: Tokenizer) -> None:
     assert smol.vocab_size == 49152
-    assert smol.eos_token_ids == frozenset({2})
+    assert smol.eos_token_ids == frozenset({0, 2})  # <|endoftext|> ends generation too
     assert token_strings(smol, [0, 1, 2]) == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     assert smol.encode("Hello world") == [19556, 905]
     assert load_tokenizer(None) is smol  # loaded once per process

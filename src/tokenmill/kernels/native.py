@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.errors import InvalidParameterError
 import tokenmill.kernels.signatures as sig
+from tokenmill.errors import InvalidParameterError
 from tokenmill.kernels.build import load_library
 from tokenmill.kernels.capabilities import KernelCapabilities
 

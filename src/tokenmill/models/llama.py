@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.errors import ModelLoadError
 from tokenmill.kernels import NativeKernels
 from tokenmill.models.attention import AttentionBackend, AttentionPlan
 from tokenmill.models.attention_metadata import AttentionMetadata
 from tokenmill.models.attention_native import NativeAttention
 from tokenmill.models.attention_sdpa import SdpaAttention
-from tokenmill.errors import ModelLoadError
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.layer_ops import LayerOps, layer_ops
 from tokenmill.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding

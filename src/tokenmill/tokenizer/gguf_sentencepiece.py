@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+from tokenizers import Tokenizer, decoders, models, normalizers
+
+from tokenmill.tokenizer.gguf_tokens import add_added_tokens, add_bos
 
 SPACE = "▁"
-# llama.cpp token types (tokenizer.ggml.token_type)
-_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
 
 def supports_sentencepiece(metadata: dict[str, Any]) -> bool:
@@ -46,7 +46,6 @@ def build_sentencepiece(metadata: dict[str, Any]) -> Tokenizer:
     assert supports_sentencepiece(metadata), "caller checks supports_sentencepiece"
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     scores: list[float] = metadata["tokenizer.ggml.scores"]
-    types: list[int] = metadata.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     vocab = {token: i for i, token in enumerate(tokens)}
     unknown_id = metadata.get("tokenizer.ggml.unknown_token_id", 0)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=_merges_by_score(tokens, scores, vocab),
@@ -58,17 +57,8 @@ def build_sentencepiece(metadata: dict[str, Any]) -> Tokenizer:
     decoding = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence([*decoding, decoders.Strip(" ", 1, 0)] if add_prefix
                                     else decoding)
-    kinds = list(zip(tokens, types, strict=True))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, kind in kinds if kind == _CONTROL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, kind in kinds if kind == _USER_DEFINED])
-    bos_id = metadata.get("tokenizer.ggml.bos_token_id")
-    if metadata.get("tokenizer.ggml.add_bos_token", True) and bos_id is not None:
-        bos = tokens[bos_id]
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-            special_tokens=[(bos, bos_id)])
+    add_added_tokens(tok, metadata)
+    add_bos(tok, metadata, default=True)
     return tok
 
 

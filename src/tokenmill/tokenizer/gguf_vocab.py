@@ -23,16 +23,15 @@ from __future__ import annotations
 import struct
 from typing import Any, BinaryIO
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from tokenmill.tokenizer.gguf_tokens import add_added_tokens, add_bos
 
 _SCALAR_FORMATS = {
     0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i",
     6: "f", 7: "?", 10: "Q", 11: "q", 12: "d",
 }
 _STRING, _ARRAY = 8, 9
-
-# llama.cpp token types (tokenizer.ggml.token_type)
-_CONTROL, _USER_DEFINED = 3, 4
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
@@ -81,6 +80,8 @@ PRE_TOKENIZERS: dict[str, pre_tokenizers.PreTokenizer] = {
 # Pre-tokenizers whose words are looked up whole before any merge (llama.cpp's
 # ``ignore_merges``; ``"ignore_merges": true`` in the original tokenizer.json)
 IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "pixtral"})
+# Pre-tokenizers whose files want a BOS token unless they say otherwise
+ADD_BOS_BY_DEFAULT = IGNORE_MERGES
 
 
 def read_gguf_metadata(path: str) -> dict[str, Any]:
@@ -144,10 +145,10 @@ def supports_byte_level_bpe(metadata: dict[str, Any]) -> bool:
 def build_byte_level_bpe(metadata: dict[str, Any]) -> Tokenizer:
     """The byte-level BPE tokenizer of a ``supports_byte_level_bpe`` file.
 
-    Control tokens become special added tokens (matched whole, skipped when decoding
-    with ``skip_special_tokens``); user-defined tokens become plain added tokens. When the
-    file asks for a BOS token (``tokenizer.ggml.add_bos_token``) a post-processor puts it
-    in front of every encoding made with ``add_special_tokens=True``.
+    Added tokens are ``gguf_tokens``'. When the file asks for a BOS token
+    (``tokenizer.ggml.add_bos_token``; by default with the Llama 3 pre-tokenizers, as in
+    llama.cpp) a post-processor puts it in front of every encoding made with
+    ``add_special_tokens=True``.
     """
     assert supports_byte_level_bpe(metadata), "caller checks supports_byte_level_bpe"
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
@@ -158,16 +159,6 @@ def build_byte_level_bpe(metadata: dict[str, Any]) -> Tokenizer:
                                ignore_merges=pre in IGNORE_MERGES))
     tok.pre_tokenizer = PRE_TOKENIZERS[pre]
     tok.decoder = decoders.ByteLevel()
-    kinds = list(zip(tokens, metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens),
-                     strict=True))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, kind in kinds if kind == _CONTROL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, kind in kinds if kind == _USER_DEFINED])
-    bos_id = metadata.get("tokenizer.ggml.bos_token_id")
-    if metadata.get("tokenizer.ggml.add_bos_token", False) and bos_id is not None:
-        bos = tokens[bos_id]
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-            special_tokens=[(bos, bos_id)])
+    add_added_tokens(tok, metadata)
+    add_bos(tok, metadata, default=pre in ADD_BOS_BY_DEFAULT)
     return tok

@@ -39,6 +39,7 @@ from tokenmill.errors import InvalidParameterError
 from tokenmill.model_source import default_model_path
 from tokenmill.tokenizer.chat_template import ChatTemplate
 from tokenmill.tokenizer.gguf_sentencepiece import build_sentencepiece, supports_sentencepiece
+from tokenmill.tokenizer.gguf_tokens import end_of_generation_ids
 from tokenmill.tokenizer.gguf_vocab import (
     PRE_TOKENIZERS,
     build_byte_level_bpe,
@@ -49,8 +50,6 @@ from tokenmill.tokenizer.gguf_vocab import (
 logger = logging.getLogger("tokenmill")
 
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-_GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                  "tokenizer.ggml.eom_token_id")
 _GGUF_SPECIAL_KEYS = {"bos_token": "tokenizer.ggml.bos_token_id",
                       "eos_token": "tokenizer.ggml.eos_token_id",
                       "unk_token": "tokenizer.ggml.unknown_token_id",
@@ -220,8 +219,7 @@ def _load_gguf(path: str) -> Tokenizer:
         backend = build_sentencepiece(metadata)
     else:
         raise ValueError(f"{path}: {_unsupported_vocabulary(metadata)}")
-    eos_ids = [metadata[k] for k in _GGUF_EOS_KEYS if k in metadata]
-    return Tokenizer(backend, eos_ids, path, template, special)
+    return Tokenizer(backend, end_of_generation_ids(metadata), path, template, special)
 
 
 def _unsupported_vocabulary(metadata: dict[str, Any]) -> str:
