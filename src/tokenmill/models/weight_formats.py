@@ -23,6 +23,10 @@ and accuracy costs):
   FMA and F16C: int4's weights (float16 scales and minimums) times activations quantized
   to int8 per block of 16 inputs at every call, multiplied as integers. No PyTorch form.
   The output head keeps 8 bits (native int8 where the CPU has the float32 kernels).
+- ``GGUFFormat``: ``--quantization gguf``, a GGUF file's own values (``docs/gguf.md``):
+  a projection whose rows are all of a 4-bit type (``gguf_blocks.INT4_TYPES``) computes on
+  them exactly in the native int4 kernel, any other in the format ``none`` gives it (its
+  values in the dtype: exact in float32).
 - None: plain ``F.linear`` (CUDA, or no packed form for this dtype here).
 """
 
@@ -40,6 +44,7 @@ from tokenmill.kernels.linear import (
     NativeW4A8Weight,
     NativeWeight,
 )
+from tokenmill.models.gguf_blocks import INT4_TYPES, FileRows
 from tokenmill.models.torch_weights import Int4Weight, Int8Weight, OneDNNWeight, onednn_supports
 
 PackedWeight = (OneDNNWeight | NativeWeight | Int8Weight | NativeInt8Weight | Int4Weight
@@ -60,6 +65,13 @@ class WeightFormat(ABC):
     @abstractmethod
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight:
         """``weight [out, in]`` and ``bias`` converted into this format."""
+
+    def pack_rows(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                  rows: list[FileRows]) -> PackedWeight:
+        """``pack``, given also the GGUF rows ``weight`` was read from (``rows``, stacked
+        in order, make up all of it); a format that computes on a file's own blocks
+        overrides it."""
+        return self.pack(weight, bias)
 
     @property
     def head(self) -> WeightFormat:
@@ -160,6 +172,32 @@ class NativeW4A8Format(WeightFormat):
         return Int8Format()
 
 
+class GGUFFormat(WeightFormat):
+    """A GGUF file's own values: rows of 4-bit types on the native int4 kernel, unchanged;
+    the rest (and the output head) in ``dense``, the format ``none`` takes (never None
+    where this format is supported: the native linear kernels take the dtype there, so
+    the native dense format or oneDNN does)."""
+
+    def __init__(self, kernels: NativeKernels, dense: WeightFormat) -> None:
+        self.kernels = kernels
+        self.dense = dense
+
+    @staticmethod
+    def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
+        return kernels is not None and kernels.capabilities.linear(dtype)
+
+    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight:
+        return self.dense.pack(weight, bias)
+
+    def pack_rows(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                  rows: list[FileRows]) -> PackedWeight:
+        if not all(r.qtype in INT4_TYPES for r in rows):
+            return self.pack(weight, bias)
+        groups = [r.int4_groups() for r in rows]
+        stacked = tuple(torch.cat(parts) for parts in zip(*groups, strict=True))
+        return NativeInt4Weight(self.kernels, weight, bias, stacked)
+
+
 # Per quantization: its native format, then PyTorch's.
 _QUANTIZED = {"int8": (NativeInt8Format, Int8Format), "int4": (NativeInt4Format, Int4Format)}
 
@@ -177,10 +215,19 @@ def choose_weight_format(dtype: torch.dtype, device: torch.device, quantization:
         if NativeFormat.supports(dtype, kernels):
             return NativeFormat(kernels)
         return OneDNNFormat() if OneDNNFormat.supports(dtype, kernels) else None
-    assert quantization in ("int8", "int4", "w4a8"), "EngineConfig validates the name"
+    assert quantization in ("int8", "int4", "w4a8", "gguf"), "EngineConfig checks the name"
     if device.type != "cpu":
         raise InvalidParameterError(f"--quantization {quantization} runs on the CPU only",
                                     "quantization")
+    if quantization == "gguf":
+        if not GGUFFormat.supports(dtype, kernels):
+            raise InvalidParameterError(
+                "--quantization gguf needs the native linear kernels of this dtype (kernels "
+                "auto or native; bfloat16 on a CPU with AVX512-BF16, float32 on one with AVX2 "
+                "and FMA but no AVX-512): use none", "quantization")
+        dense = choose_weight_format(dtype, device, "none", kernels)
+        assert dense is not None, "the native linear kernels take the dtype (see GGUFFormat)"
+        return GGUFFormat(kernels, dense)
     if quantization == "w4a8":
         if dtype != torch.float32:
             raise InvalidParameterError("--quantization w4a8 takes float32 activations: use "
