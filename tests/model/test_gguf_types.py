@@ -1,7 +1,7 @@
 """GGUF tensor types: every supported type loads bit for bit as the gguf package's reference
-dequantization computes it; ``--quantization gguf`` computes on the file's own 4-bit
-blocks exactly; a file with an unsupported type, or truncated, fails with one clear
-ModelLoadError.
+dequantization computes it; ``--quantization gguf`` computes on the file's own blocks
+(as 4-bit planes) exactly; a file with an unsupported type, or truncated, fails with one
+clear ModelLoadError.
 
 The files are written here, offline: tensors of the types the gguf package cannot
 quantize (and, to cover every bit pattern, all the others too) are random valid blocks.
@@ -23,11 +23,11 @@ from paged_runner import PagedRunner
 from transformers import AutoModelForCausalLM
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.kernels.linear import NativeInt4Weight
-from tokenmill.models.gguf_blocks import INT4_TYPES, SUPPORTED_TYPES, FileRows
+from tokenmill.kernels.linear import NativeInt4PlanesWeight, NativeInt4Weight
+from tokenmill.models.gguf_blocks import PLANE_TYPES, SUPPORTED_TYPES, FileRows
 from tokenmill.models.gguf_loader import open_gguf
 from tokenmill.models.loader import load_model
-from tokenmill.models.weight_formats import GGUFFormat
+from tokenmill.models.weight_formats import GGUFFormat, choose_weight_format
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tiny_model import make_tiny_model_dir  # noqa: E402
@@ -86,17 +86,34 @@ def test_k_quant_model_matches_hf_with_the_stored_weights(k_model_dir, tmp_path,
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("qtype", INT4_TYPES, ids=lambda q: q.name)
-def test_4_bit_groups_reproduce_the_reference_dequantization_exactly(qtype):
-    """Q4_0, Q4_1 and Q4_K blocks (Q4_K's 6-bit sub-scales and minimums expanded) as a
-    scale and a minimum per 32 inputs: q * scale + min, in float32, is the reference."""
+def plane_values(planes, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """Sum over the planes of q * scale + min, computed in ``dtype``."""
+    total = torch.zeros(rows, cols, dtype=dtype)
+    for q, scales, mins in planes:
+        value = q.to(dtype).view(rows, -1, 32) * scales.to(dtype)[..., None]
+        total += (value + mins.to(dtype)[..., None]).view(rows, cols)
+    return total
+
+
+@pytest.mark.parametrize("qtype", PLANE_TYPES, ids=lambda q: q.name)
+def test_4_bit_planes_reproduce_the_reference_dequantization(qtype):
+    """Q4_0, Q4_1, Q4_K (one plane: Q4_K's 6-bit sub-scales and minimums expanded) and
+    Q5_0, Q5_1, Q5_K, Q8_0 (two) as a scale and a minimum per 32 inputs: the sum of
+    q * scale + min is the reference, bit for bit in float32, or for Q5_1 and Q5_K the
+    exact value that the reference rounds once to float32."""
     rows = FileRows(qtype, random_blocks(qtype, 24, 512, np.random.default_rng(1), 0.05), 512)
-    q, scales, mins = rows.int4_groups()
-    assert q.dtype == torch.uint8 and int(q.max()) <= 15
-    assert scales.shape == mins.shape == (24, 512 // 32)
-    weight = q.float().view(24, -1, 32) * scales[..., None] + mins[..., None]
+    planes = rows.int4_planes()
+    assert len(planes) == (1 if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else 2)
+    for q, scales, mins in planes:
+        assert q.dtype == torch.uint8 and int(q.max()) <= 15
+        assert scales.shape == mins.shape == (24, 512 // 32)
+        assert scales.dtype == mins.dtype == torch.float32
     reference = torch.from_numpy(dequantize(rows.data, qtype).reshape(24, 512))
-    assert torch.equal(weight.view(24, 512), reference)
+    if qtype in (Q.Q5_1, Q.Q5_K):
+        exact = plane_values(planes, 24, 512, torch.float64)
+        assert torch.isclose(exact, reference.double(), rtol=2.0**-24, atol=0).all()
+    else:
+        assert torch.equal(plane_values(planes, 24, 512, torch.float32), reference)
 
 
 def one_rounding_bound(exact: torch.Tensor, k: int) -> torch.Tensor:
@@ -104,11 +121,12 @@ def one_rounding_bound(exact: torch.Tensor, k: int) -> torch.Tensor:
     return exact.abs() * 2.0**-8 + k * 2.0**-22 * exact.abs().max()
 
 
-@pytest.mark.parametrize("qtype", INT4_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", PLANE_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("batch", [1, 9])
-def test_int4_kernel_on_file_blocks_matches_the_reference_matmul(native, qtype, batch):
-    """The int4 kernel fed a file's 4-bit groups computes x @ W.T for W the reference
-    dequantization, within the kernel's own arithmetic (one bfloat16 rounding)."""
+def test_int4_kernel_on_file_planes_matches_the_reference_matmul(native, qtype, batch):
+    """``GGUFFormat`` puts a file's planes on the int4 kernel, which computes x @ W.T + b
+    for W the reference dequantization, within the kernel's own arithmetic (one bfloat16
+    rounding)."""
     if not GGUFFormat.supports(BF16, native):
         pytest.skip("this CPU has no bfloat16 native int4 kernel")
     out_features, in_features = 40, 512
@@ -116,31 +134,44 @@ def test_int4_kernel_on_file_blocks_matches_the_reference_matmul(native, qtype, 
     rows = FileRows(qtype, random_blocks(qtype, out_features, in_features, rng, 0.05),
                     in_features)
     reference = rows.dequantize()
-    packed = NativeInt4Weight(native, reference.to(BF16), None, rows.int4_groups())
-    x = torch.randn(batch, in_features, generator=torch.Generator().manual_seed(3)).to(BF16)
-    exact = x.double() @ reference.double().T
-    got = packed(x).double()
-    assert ((got - exact).abs() <= one_rounding_bound(exact, in_features)).all()
+    gen = torch.Generator().manual_seed(3)
+    bias = torch.randn(out_features, generator=gen).to(BF16)
+    fmt = choose_weight_format(BF16, CPU, "gguf", native)
+    packed = fmt.pack_rows(reference.to(BF16), bias, [rows])
+    kind = NativeInt4Weight if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else NativeInt4PlanesWeight
+    assert type(packed) is kind
+    x = torch.randn(batch, in_features, generator=gen).to(BF16)
+    residual = torch.randn(batch, out_features, generator=gen).to(BF16)
+    exact = x.double() @ reference.double().T + bias.double() + residual.double()
+    got = packed.add(x, residual).double()
+    assert ((got - exact).abs() <= one_rounding_bound(exact, 2 * in_features)).all()
 
 
 def test_gguf_mode_computes_4_bit_rows_on_their_blocks(k_model_dir, tmp_path, native):
     """--quantization gguf: projections whose rows are all Q4_K go to the int4 kernel with
-    the file's groups; one with a Q6_K shard (v of the fused qkv) keeps its values in the
-    dtype; its logits are as close to the float32 reference as the bfloat16 model's."""
+    the file's groups; a fused qkv of Q4_K and Q8_0 shards to it as two planes; one with a
+    Q6_K shard keeps its values in the dtype; its logits are as close to the float32
+    reference as the bfloat16 model's."""
     if not GGUFFormat.supports(BF16, native):
         pytest.skip("this CPU has no bfloat16 native int4 kernel")
     path = str(tmp_path / "m.gguf")
-    stored = write_gguf(k_model_dir, path, Q.Q4_K,
-                        overrides={"blk.0.attn_v.weight": Q.Q6_K})
+    stored = write_gguf(k_model_dir, path, Q.Q4_K, overrides={
+        "blk.0.attn_v.weight": Q.Q6_K, "blk.1.attn_v.weight": Q.Q8_0})
     model, _ = load_model(path, BF16, CPU, "gguf", native)
     layer0, layer1 = model.model.layers
-    assert isinstance(layer1.self_attn.qkv_proj.packed, NativeInt4Weight)
-    assert isinstance(layer0.mlp.gate_up_proj.packed, NativeInt4Weight)
-    assert not isinstance(layer0.self_attn.qkv_proj.packed, NativeInt4Weight)
-    # the packed groups are the file's: the kernel times the identity gives the weights
-    down = layer1.mlp.down_proj.packed(torch.eye(512, dtype=BF16)).float().t()
-    expected_down = stored["model.layers.1.mlp.down_proj.weight"]
-    assert torch.equal(down, expected_down.to(BF16).float())
+    assert isinstance(layer1.mlp.down_proj.packed, NativeInt4Weight)
+    assert isinstance(layer1.self_attn.qkv_proj.packed, NativeInt4PlanesWeight)
+    assert not isinstance(layer0.self_attn.qkv_proj.packed,
+                          NativeInt4Weight | NativeInt4PlanesWeight)
+    # the packed planes are the file's: the kernel times the identity gives the weights
+    for linear, names, inputs in [
+        (layer1.mlp.down_proj, ["mlp.down_proj"], 512),
+        (layer1.self_attn.qkv_proj, ["self_attn.q_proj", "self_attn.k_proj",
+                                     "self_attn.v_proj"], 256),
+    ]:
+        got = linear.packed(torch.eye(inputs, dtype=BF16)).float().t()
+        weight = torch.cat([stored[f"model.layers.1.{n}.weight"] for n in names])
+        assert torch.equal(got, weight.to(BF16).float())
     ref = AutoModelForCausalLM.from_pretrained(k_model_dir, dtype=torch.float32).eval()
     ref.load_state_dict(stored, strict=False)
     with torch.no_grad():

@@ -104,6 +104,29 @@ class NativeInt4Weight:
                            self.bias, residual)
 
 
+class NativeInt4PlanesWeight:
+    """A weight that is the sum of ``len(planes)`` 4-bit weights over the same inputs (a
+    GGUF file's 5- or 8-bit values split into nibbles, each ``(q [out, in], scales, mins
+    [out, in / GROUP])`` as ``NativeInt4Weight`` takes them): one int4 weight over the
+    inputs repeated, ``x @ (W_0 + W_1).T = [x, x] @ [W_0, W_1].T``. ``weight`` gives the
+    shape and the activations' dtype."""
+
+    def __init__(self, kernels: NativeKernels, weight: torch.Tensor,
+                 bias: torch.Tensor | None,
+                 planes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        out_features, in_features = weight.shape
+        self.repeats = len(planes)
+        stacked = tuple(torch.cat(parts, dim=1) for parts in zip(*planes, strict=True))
+        shape = weight.new_empty(1).expand(out_features, self.repeats * in_features)
+        self.inner = NativeInt4Weight(kernels, shape, bias, stacked)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.repeat(1, self.repeats))
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.inner.add(x.repeat(1, self.repeats), residual)
+
+
 class NativeW4A8Weight:
     """4-bit weights in Q4_1's form with float16 scales and minimums (a Q4_1 file's own
     values, exactly) for ``w4a8_linear``, which quantizes the float32 activations to int8

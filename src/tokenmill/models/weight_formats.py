@@ -24,9 +24,10 @@ and accuracy costs):
   to int8 per block of 16 inputs at every call, multiplied as integers. No PyTorch form.
   The output head keeps 8 bits (native int8 where the CPU has the float32 kernels).
 - ``GGUFFormat``: ``--quantization gguf``, a GGUF file's own values (``docs/gguf.md``):
-  a projection whose rows are all of a 4-bit type (``gguf_blocks.INT4_TYPES``) computes on
-  them exactly in the native int4 kernel, any other in the format ``none`` gives it (its
-  values in the dtype: exact in float32).
+  a projection whose rows are all of a type that 4-bit planes hold
+  (``gguf_blocks.PLANE_TYPES``: Q4_0, Q4_1, Q4_K in one, Q5_0, Q5_1, Q5_K, Q8_0 in two)
+  computes on them in the native int4 kernel, exactly; any other in the format ``none``
+  gives it (its values in the dtype: exact in float32).
 - None: plain ``F.linear`` (CUDA, or no packed form for this dtype here).
 """
 
@@ -39,16 +40,17 @@ import torch
 from tokenmill.errors import InvalidParameterError
 from tokenmill.kernels import NativeKernels
 from tokenmill.kernels.linear import (
+    NativeInt4PlanesWeight,
     NativeInt4Weight,
     NativeInt8Weight,
     NativeW4A8Weight,
     NativeWeight,
 )
-from tokenmill.models.gguf_blocks import INT4_TYPES, FileRows
+from tokenmill.models.gguf_blocks import PLANE_TYPES, FileRows
 from tokenmill.models.torch_weights import Int4Weight, Int8Weight, OneDNNWeight, onednn_supports
 
 PackedWeight = (OneDNNWeight | NativeWeight | Int8Weight | NativeInt8Weight | Int4Weight
-                | NativeInt4Weight | NativeW4A8Weight)
+                | NativeInt4Weight | NativeInt4PlanesWeight | NativeW4A8Weight)
 QUANTIZED_DTYPES = (torch.bfloat16, torch.float32)  # what int8 and int4 compute in
 
 
@@ -173,10 +175,12 @@ class NativeW4A8Format(WeightFormat):
 
 
 class GGUFFormat(WeightFormat):
-    """A GGUF file's own values: rows of 4-bit types on the native int4 kernel, unchanged;
-    the rest (and the output head) in ``dense``, the format ``none`` takes (never None
-    where this format is supported: the native linear kernels take the dtype there, so
-    the native dense format or oneDNN does)."""
+    """A GGUF file's own values: a projection whose rows are all of ``PLANE_TYPES`` on the
+    native int4 kernel as their 4-bit planes (one plane: ``NativeInt4Weight``; two:
+    ``NativeInt4PlanesWeight``, rows of one plane given a zero second one), unchanged; the
+    rest (and the output head) in ``dense``, the format ``none`` takes (never None where
+    this format is supported: the native linear kernels take the dtype there, so the
+    native dense format or oneDNN does)."""
 
     def __init__(self, kernels: NativeKernels, dense: WeightFormat) -> None:
         self.kernels = kernels
@@ -191,11 +195,20 @@ class GGUFFormat(WeightFormat):
 
     def pack_rows(self, weight: torch.Tensor, bias: torch.Tensor | None,
                   rows: list[FileRows]) -> PackedWeight:
-        if not all(r.qtype in INT4_TYPES for r in rows):
+        if not all(r.qtype in PLANE_TYPES for r in rows):
             return self.pack(weight, bias)
-        groups = [r.int4_groups() for r in rows]
-        stacked = tuple(torch.cat(parts) for parts in zip(*groups, strict=True))
-        return NativeInt4Weight(self.kernels, weight, bias, stacked)
+        shards = [r.int4_planes() for r in rows]
+        count = max(len(planes) for planes in shards)
+        for planes in shards:
+            q, scales, _ = planes[0]
+            while len(planes) < count:  # a plane of zeros: q, scale and minimum 0
+                planes.append((torch.zeros_like(q), torch.zeros_like(scales),
+                               torch.zeros_like(scales)))
+        planes = [tuple(torch.cat(parts) for parts in zip(*shard_planes, strict=True))
+                  for shard_planes in zip(*shards, strict=True)]
+        if count == 1:
+            return NativeInt4Weight(self.kernels, weight, bias, planes[0])
+        return NativeInt4PlanesWeight(self.kernels, weight, bias, planes)
 
 
 # Per quantization: its native format, then PyTorch's.
