@@ -22,7 +22,7 @@ from gguf_writer import random_blocks, write_gguf
 from paged_runner import PagedRunner
 from transformers import AutoModelForCausalLM
 
-from tokenmill.errors import ModelLoadError
+from tokenmill.errors import InvalidParameterError, ModelLoadError
 from tokenmill.kernels.linear import NativeInt4PlanesWeight, NativeInt4Weight
 from tokenmill.models.gguf_blocks import PLANE_TYPES, SUPPORTED_TYPES, FileRows
 from tokenmill.models.gguf_loader import open_gguf
@@ -184,7 +184,7 @@ def test_gguf_mode_computes_4_bit_rows_on_their_blocks(k_model_dir, tmp_path, na
 
 
 def test_gguf_mode_needs_a_gguf_file(tiny_model_dir, native):
-    with pytest.raises(Exception, match="GGUF file") as info:
+    with pytest.raises(InvalidParameterError, match="GGUF file") as info:
         load_model(tiny_model_dir("llama"), BF16, CPU, "gguf", native)
     assert info.value.param == "quantization"
 

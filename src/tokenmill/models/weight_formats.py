@@ -178,9 +178,9 @@ class GGUFFormat(WeightFormat):
     """A GGUF file's own values: a projection whose rows are all of ``PLANE_TYPES`` on the
     native int4 kernel as their 4-bit planes (one plane: ``NativeInt4Weight``; two:
     ``NativeInt4PlanesWeight``, rows of one plane given a zero second one), unchanged; the
-    rest (and the output head) in ``dense``, the format ``none`` takes (never None where
-    this format is supported: the native linear kernels take the dtype there, so the
-    native dense format or oneDNN does)."""
+    rest (and a tied output head, packed from the embedding) in ``dense``, the format
+    ``none`` takes (never None where this format is supported: the native linear kernels
+    take the dtype there, so the native dense format or oneDNN does)."""
 
     def __init__(self, kernels: NativeKernels, dense: WeightFormat) -> None:
         self.kernels = kernels
