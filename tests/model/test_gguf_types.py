@@ -27,7 +27,7 @@ from tokenmill.kernels.linear import NativeInt4PlanesWeight, NativeInt4Weight
 from tokenmill.models.gguf_blocks import PLANE_TYPES, SUPPORTED_TYPES, FileRows
 from tokenmill.models.gguf_loader import open_gguf
 from tokenmill.models.loader import load_model
-from tokenmill.models.weight_formats import GGUFFormat, choose_weight_format
+from tokenmill.models.weight_formats import GGUFFormat, StackedRowsWeight, choose_weight_format
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tiny_model import make_tiny_model_dir  # noqa: E402
@@ -150,8 +150,8 @@ def test_int4_kernel_on_file_planes_matches_the_reference_matmul(native, qtype, 
 def test_gguf_mode_computes_4_bit_rows_on_their_blocks(k_model_dir, tmp_path, native):
     """--quantization gguf: projections whose rows are all Q4_K go to the int4 kernel with
     the file's groups; a fused qkv of Q4_K and Q8_0 shards to it as two planes; one with a
-    Q6_K shard keeps its values in the dtype; its logits are as close to the float32
-    reference as the bfloat16 model's."""
+    Q6_K shard is split: q and k on the int4 kernel, v's values in the dtype; the logits
+    are about as close to the float32 reference as the bfloat16 model's."""
     if not GGUFFormat.supports(BF16, native):
         pytest.skip("this CPU has no bfloat16 native int4 kernel")
     path = str(tmp_path / "m.gguf")
@@ -161,16 +161,21 @@ def test_gguf_mode_computes_4_bit_rows_on_their_blocks(k_model_dir, tmp_path, na
     layer0, layer1 = model.model.layers
     assert isinstance(layer1.mlp.down_proj.packed, NativeInt4Weight)
     assert isinstance(layer1.self_attn.qkv_proj.packed, NativeInt4PlanesWeight)
-    assert not isinstance(layer0.self_attn.qkv_proj.packed,
-                          NativeInt4Weight | NativeInt4PlanesWeight)
+    split = layer0.self_attn.qkv_proj.packed
+    assert isinstance(split, StackedRowsWeight) and len(split.parts) == 2
+    assert isinstance(split.parts[0], NativeInt4Weight)  # q and k
+    assert not isinstance(split.parts[1], NativeInt4Weight | NativeInt4PlanesWeight)  # v
     # the packed planes are the file's: the kernel times the identity gives the weights
     for linear, names, inputs in [
+        (layer0.self_attn.qkv_proj, ["self_attn.q_proj", "self_attn.k_proj",
+                                     "self_attn.v_proj"], 256),
         (layer1.mlp.down_proj, ["mlp.down_proj"], 512),
         (layer1.self_attn.qkv_proj, ["self_attn.q_proj", "self_attn.k_proj",
                                      "self_attn.v_proj"], 256),
     ]:
         got = linear.packed(torch.eye(inputs, dtype=BF16)).float().t()
-        weight = torch.cat([stored[f"model.layers.1.{n}.weight"] for n in names])
+        layer = 0 if linear is layer0.self_attn.qkv_proj else 1
+        weight = torch.cat([stored[f"model.layers.{layer}.{n}.weight"] for n in names])
         assert torch.equal(got, weight.to(BF16).float())
     ref = AutoModelForCausalLM.from_pretrained(k_model_dir, dtype=torch.float32).eval()
     ref.load_state_dict(stored, strict=False)
@@ -180,7 +185,7 @@ def test_gguf_mode_computes_4_bit_rows_on_their_blocks(k_model_dir, tmp_path, na
     dense, _ = load_model(path, BF16, CPU, "none", native)
     dense_got = PagedRunner(dense).step([(0, PROMPT)], all_tokens=True)
     error, dense_error = ((g - expected).abs().mean() for g in (got, dense_got))
-    assert error <= dense_error * 1.1
+    assert error <= dense_error * 2  # bfloat16 activations' rounding, not a wrong weight
 
 
 def test_gguf_mode_needs_a_gguf_file(tiny_model_dir, native):

@@ -24,15 +24,16 @@ and accuracy costs):
   to int8 per block of 16 inputs at every call, multiplied as integers. No PyTorch form.
   The output head keeps 8 bits (native int8 where the CPU has the float32 kernels).
 - ``GGUFFormat``: ``--quantization gguf``, a GGUF file's own values (``docs/gguf.md``):
-  a projection whose rows are all of a type that 4-bit planes hold
-  (``gguf_blocks.PLANE_TYPES``: Q4_0, Q4_1, Q4_K in one, Q5_0, Q5_1, Q5_K, Q8_0 in two)
-  computes on them in the native int4 kernel, exactly; any other in the format ``none``
-  gives it (its values in the dtype: exact in float32).
+  rows of a type that 4-bit planes hold (``gguf_blocks.PLANE_TYPES``: Q4_0, Q4_1, Q4_K in
+  one, Q5_0, Q5_1, Q5_K, Q8_0 in two) compute on them in the native int4 kernel, exactly;
+  the rows of other types in the format ``none`` gives them (their values in the dtype:
+  exact in float32).
 - None: plain ``F.linear`` (CUDA, or no packed form for this dtype here).
 """
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 
 import torch
@@ -49,8 +50,24 @@ from tokenmill.kernels.linear import (
 from tokenmill.models.gguf_blocks import PLANE_TYPES, FileRows
 from tokenmill.models.torch_weights import Int4Weight, Int8Weight, OneDNNWeight, onednn_supports
 
+
+class StackedRowsWeight:
+    """A weight packed in parts, each a run of its output rows (in order): the outputs of
+    the parts side by side. ``add`` rounds the product, then the sum."""
+
+    def __init__(self, parts: list[PackedWeight]) -> None:
+        self.parts = parts
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self(x).add_(residual)
+
+
 PackedWeight = (OneDNNWeight | NativeWeight | Int8Weight | NativeInt8Weight | Int4Weight
-                | NativeInt4Weight | NativeInt4PlanesWeight | NativeW4A8Weight)
+                | NativeInt4Weight | NativeInt4PlanesWeight | NativeW4A8Weight
+                | StackedRowsWeight)
 QUANTIZED_DTYPES = (torch.bfloat16, torch.float32)  # what int8 and int4 compute in
 
 
@@ -175,12 +192,13 @@ class NativeW4A8Format(WeightFormat):
 
 
 class GGUFFormat(WeightFormat):
-    """A GGUF file's own values: a projection whose rows are all of ``PLANE_TYPES`` on the
-    native int4 kernel as their 4-bit planes (one plane: ``NativeInt4Weight``; two:
-    ``NativeInt4PlanesWeight``, rows of one plane given a zero second one), unchanged; the
-    rest (and a tied output head, packed from the embedding) in ``dense``, the format
-    ``none`` takes (never None where this format is supported: the native linear kernels
-    take the dtype there, so the native dense format or oneDNN does)."""
+    """A GGUF file's own values: the rows of ``PLANE_TYPES`` on the native int4 kernel as
+    their 4-bit planes (one plane: ``NativeInt4Weight``; two: ``NativeInt4PlanesWeight``,
+    rows of one plane given a zero second one), unchanged; the others (and a tied output
+    head, packed from the embedding) in ``dense``, the format ``none`` takes (never None
+    where this format is supported: the native linear kernels take the dtype there, so
+    the native dense format or oneDNN does). A fused projection whose shards take both
+    routes is split where the route changes (``StackedRowsWeight``)."""
 
     def __init__(self, kernels: NativeKernels, dense: WeightFormat) -> None:
         self.kernels = kernels
@@ -195,8 +213,20 @@ class GGUFFormat(WeightFormat):
 
     def pack_rows(self, weight: torch.Tensor, bias: torch.Tensor | None,
                   rows: list[FileRows]) -> PackedWeight:
-        if not all(r.qtype in PLANE_TYPES for r in rows):
-            return self.pack(weight, bias)
+        parts, first = [], 0
+        for on_planes, run in itertools.groupby(rows, key=lambda r: r.qtype in PLANE_TYPES):
+            run = list(run)
+            last = first + sum(r.shape[0] for r in run)
+            part_bias = None if bias is None else bias[first:last]
+            if on_planes:
+                parts.append(self._pack_planes(weight[first:last], part_bias, run))
+            else:
+                parts.append(self.pack(weight[first:last], part_bias))
+            first = last
+        return parts[0] if len(parts) == 1 else StackedRowsWeight(parts)
+
+    def _pack_planes(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                     rows: list[FileRows]) -> PackedWeight:
         shards = [r.int4_planes() for r in rows]
         count = max(len(planes) for planes in shards)
         for planes in shards:
