@@ -3,7 +3,9 @@
 For each configuration (``float32``, the reference; ``bfloat16``; ``int8`` and ``int4``
 weights with the activations ``--dtype auto`` gives them, as ``tokenmill serve`` does:
 bfloat16 where the CPU computes it, float32 elsewhere; ``w4a8``, int4 weights times int8
-activations, in float32, where its kernel runs; bfloat16 only where the CPU computes it)
+activations, in float32, where its kernel runs; ``gguf``, a GGUF file's own blocks, where
+the model is one and the native kernels take that dtype; bfloat16 only where the CPU
+computes it)
 it measures, on the embedded model unless ``--model`` (every engine option but ``--dtype``
 and ``--quantization``, which the configurations set, applies to all of them):
 
@@ -29,6 +31,7 @@ import dataclasses
 import gc
 import os
 
+import torch
 from offline import common_prefix  # noqa: E402  (sibling module)
 from report_file import write_report  # noqa: E402  (sibling module)
 from rich.console import Console
@@ -36,17 +39,20 @@ from rich.table import Table
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
-from tokenmill.hardware import cpu_has_bf16
+from tokenmill.hardware import cpu_has_bf16, resolve_dtype
 from tokenmill.kernels import native_kernels
 from tokenmill.models.perplexity import mean_kl_divergence, next_token_logprobs, perplexity_of
+from tokenmill.models.weight_formats import GGUFFormat
 from tokenmill.options import add_options, options_from
 
+CPU = torch.device("cpu")
 TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests",
                     "data", "public_domain.txt")
 CONFIGS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
            "int8": {"dtype": "auto", "quantization": "int8"},
            "int4": {"dtype": "auto", "quantization": "int4"},
-           "w4a8": {"dtype": "auto", "quantization": "w4a8"}}
+           "w4a8": {"dtype": "auto", "quantization": "w4a8"},
+           "gguf": {"dtype": "auto", "quantization": "gguf"}}
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.",
     "List three uses of a paperclip.", "Explain photosynthesis in one sentence.",
@@ -84,7 +90,9 @@ def main() -> None:
     base = options_from(args, EngineConfig)
     kernels = native_kernels()
     skipped = {"w4a8": kernels is None or not kernels.capabilities.w4a8_linear,  # AVX2
-               "bfloat16": not cpu_has_bf16()}  # emulated: minutes per configuration
+               "bfloat16": not cpu_has_bf16(),  # emulated: minutes per configuration
+               "gguf": (base.model is not None and os.path.isdir(base.model))  # a GGUF file
+               or not GGUFFormat.supports(resolve_dtype("auto", CPU), kernels)}
     configs = {name: options for name, options in CONFIGS.items() if not skipped.get(name)}
     results = {name: measure_config(base, options, args.max_tokens)
                for name, options in configs.items()}

@@ -23,7 +23,7 @@ from tokenmill.errors import InvalidParameterError
 from tokenmill.sampling_params import SamplingParams, StructuredOutput
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATION_CHOICES = ("none", "int8", "int4", "w4a8")
+QUANTIZATION_CHOICES = ("none", "int8", "int4", "w4a8", "gguf")
 KERNEL_CHOICES = ("auto", "native", "torch")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
 
@@ -75,7 +75,9 @@ class EngineConfig:
                         "else float32), float32, bfloat16 or float16", choices=DTYPE_CHOICES)
     quantization: str = option(
         "none", "none; int8 or int4 (GGUF Q4_1's layout): quantized weights, activations in "
-        "the dtype; w4a8: int4 weights times int8 activations (CPU)",
+        "the dtype; w4a8: int4 weights times int8 activations (CPU); gguf: a GGUF file's "
+        "own blocks, exactly, in the int4 kernel (Q4_0, Q4_1, Q4_K; Q5_0, Q5_1, Q5_K, Q8_0 "
+        "as two 4-bit planes), other types in the dtype (CPU)",
         choices=QUANTIZATION_CHOICES)
     device: str = option("auto", "auto (CUDA when present), cpu or cuda[:N]")
     num_threads: int | None = option(None, "the engine's compute threads (default: every core)")

@@ -99,7 +99,8 @@ NOT_RUN = {
 }
 
 # --flags that are not tokenmill's, with whose they are
-FOREIGN_FLAGS = {"--no-deps": "pip install's"}
+FOREIGN_FLAGS = {"--no-deps": "pip install's",
+                 "--allow-requantize": "llama.cpp's llama-quantize (docs/gguf.md)"}
 
 # Metric names the docs use that no server exports: the prometheus-adapter's custom metric.
 NOT_EXPORTED = {"tokenmill_token_demand"}

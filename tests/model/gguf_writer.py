@@ -2,7 +2,9 @@
 
 Independent of the loader under test: its own name table, and llama.cpp's own Q/K row
 permutation (``llama_cpp_permute``, copied from ``convert_hf_to_gguf.py``). Matrices are
-stored in the requested type, vectors (norms, biases) in F32, like llama.cpp.
+stored in the requested type, vectors (norms, biases) in F32, like llama.cpp. For the
+types the gguf package cannot quantize (the K-quants), or on request, matrices are
+``random_blocks`` of the type instead of the model's weights.
 """
 
 from __future__ import annotations
@@ -36,12 +38,58 @@ GLOBAL_NAMES = {
 }
 
 
+# The types gguf.quants can quantize (the others are written as random blocks).
+QUANTIZERS = {
+    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0,
+}
+
+
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return (
         w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
         .swapaxes(1, 2)
         .reshape(w.shape)
     )
+
+
+def llama_cpp_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The inverse of ``llama_cpp_permute``."""
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+# Byte offsets of the float16 scale fields (d, and dmin or m) in one block of each type,
+# as gguf.quants reads them.
+F16_FIELDS = {
+    GGMLQuantizationType.Q4_0: (0,), GGMLQuantizationType.Q4_1: (0, 2),
+    GGMLQuantizationType.Q5_0: (0,), GGMLQuantizationType.Q5_1: (0, 2),
+    GGMLQuantizationType.Q8_0: (0,), GGMLQuantizationType.Q2_K: (80, 82),
+    GGMLQuantizationType.Q3_K: (108,), GGMLQuantizationType.Q4_K: (0, 2),
+    GGMLQuantizationType.Q5_K: (0, 2), GGMLQuantizationType.Q6_K: (208,),
+}
+DENSE = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
+
+
+def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int,
+                  rng: np.random.Generator, scale: float = 1e-3) -> np.ndarray:
+    """``[rows, cols]`` of ``qtype`` as the file stores it: random bytes (every quant,
+    sub-scale and sign bit pattern) with the float16 scale fields set to finite values of
+    magnitude up to ``scale``; dense types: random values of that magnitude."""
+    if qtype in DENSE:
+        return (rng.standard_normal((rows, cols)) * scale).astype(DENSE[qtype])
+    if qtype == GGMLQuantizationType.BF16:
+        return quantize(rng.standard_normal((rows, cols)).astype(np.float32) * scale, qtype)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
+    for offset in F16_FIELDS[qtype]:
+        values = rng.uniform(-scale, scale, (data.shape[0], 1)).astype(np.float16)
+        data[:, offset:offset + 2] = values.view(np.uint8)
+    return data.reshape(rows, -1)
 
 
 def gguf_name(hf_name: str) -> str:
@@ -75,9 +123,12 @@ def llama3_rope_factors(cfg: dict, head_dim: int) -> np.ndarray:
 def write_gguf(
     hf_dir: str, out_path: str, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
     arch: str = "llama", overrides: dict[str, GGMLQuantizationType] | None = None,
+    random: bool = False, seed: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Convert ``hf_dir`` into ``out_path``; returns the HF state dict *as stored* (each
-    matrix quantized and dequantized back), to load into a reference model."""
+    matrix quantized and dequantized back), to load into a reference model. Matrices of
+    K-quant types, or all with ``random``, are ``random_blocks`` (seeded by ``seed``)."""
+    rng = np.random.default_rng(seed)
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -99,6 +150,16 @@ def write_gguf(
         data = tensor.float().numpy()
         target = gguf_name(name)
         kind = (overrides or {}).get(target, qtype if data.ndim == 2 else GGMLQuantizationType.F32)
+        if data.ndim == 2 and (random or kind not in QUANTIZERS):
+            packed = random_blocks(kind, *data.shape, rng)
+            file_layout = dequantize(packed, kind).reshape(data.shape)
+            if arch == "llama" and ".q_proj." in name:
+                file_layout = llama_cpp_unpermute(file_layout, n_head)
+            elif arch == "llama" and ".k_proj." in name:
+                file_layout = llama_cpp_unpermute(file_layout, n_kv)
+            stored[name] = torch.from_numpy(np.array(file_layout, dtype=np.float32))
+            writer.add_tensor(target, packed, raw_dtype=kind)
+            continue
         packed = quantize(data, kind)
         stored[name] = torch.from_numpy(dequantize(packed, kind).reshape(data.shape).copy())
         if arch == "llama" and ".q_proj." in name:

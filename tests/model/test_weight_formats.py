@@ -28,7 +28,12 @@ from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import load_model
 from tokenmill.models.perplexity import perplexity
 from tokenmill.models.torch_weights import Int4Weight, Int8Weight, OneDNNWeight, onednn_supports
-from tokenmill.models.weight_formats import Int4Format, NativeInt4Format, choose_weight_format
+from tokenmill.models.weight_formats import (
+    GGUFFormat,
+    Int4Format,
+    NativeInt4Format,
+    choose_weight_format,
+)
 from tokenmill.tokenizer.tokenizer import load_tokenizer
 
 CPU = torch.device("cpu")
@@ -248,19 +253,21 @@ def test_quantization_rejects_what_it_cannot_run(dtype, device, message, quantiz
 
 @pytest.mark.slow
 def test_quantized_perplexity_of_smollm2_within_two_percent(native):
-    """The accuracy int8, int4 and w4a8 cost, bounded: the embedded model on a fixed
-    public-domain text, computed as the engine computes it (the dtype ``auto`` picks here,
-    float32 for w4a8; native kernels where they run)."""
+    """The accuracy int8, int4, w4a8 and gguf (the file's own Q4_1 blocks) cost, bounded:
+    the embedded model on a fixed public-domain text, computed as the engine computes it
+    (the dtype ``auto`` picks here, float32 for w4a8; native kernels where they run)."""
     with open(TEXT, encoding="utf-8") as f:
         token_ids = load_tokenizer(None).encode(f.read())
     assert len(token_ids) > 500
     exact = perplexity(load_model(None, torch.float32, CPU)[0], token_ids)
     assert 5 < exact < 20  # the model reads English: a sanity bound on the measure itself
-    for quantization in ("int8", "int4", "w4a8"):
+    for quantization in ("int8", "int4", "w4a8", "gguf"):
         if quantization == "w4a8" and not native.capabilities.w4a8_linear:
             continue  # its kernel needs AVX2 and FMA
-        model = load_model(None, resolve_dtype("auto", CPU, quantization), CPU, quantization,
-                           native)[0]
+        dtype = resolve_dtype("auto", CPU, quantization)
+        if quantization == "gguf" and not GGUFFormat.supports(dtype, native):
+            continue  # the native int4 kernel of the dtype
+        model = load_model(None, dtype, CPU, quantization, native)[0]
         quantized = perplexity(model, token_ids)
         assert quantized <= exact * 1.02, (
             f"{quantization} perplexity {quantized:.3f} vs {exact:.3f}")

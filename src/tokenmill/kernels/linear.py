@@ -15,7 +15,13 @@ from __future__ import annotations
 import torch
 
 from tokenmill.kernels.native import NativeKernels
-from tokenmill.kernels.quantize import check_int4_shape, quantize_int8_rows, quantize_q4_1_panels
+from tokenmill.kernels.quantize import (
+    check_int4_shape,
+    int4_panels,
+    quantize_int8_rows,
+    quantize_q4_1_groups,
+    quantize_q4_1_panels,
+)
 
 
 class NativeWeight:
@@ -62,19 +68,25 @@ class NativeInt4Weight:
     """4-bit weights for the int4 kernel of the weight's dtype: ``int4_linear`` (bfloat16
     activations, panels of 32 outputs) or ``int4_f32_linear`` (float32, panels of 16). Per
     ``GROUP`` inputs of a row a float32 scale and minimum, ``w = q * scale + min`` with q in
-    0..15 (the group's minimum and maximum map to 0 and 15, as in a GGUF Q4_1 block, whose
+    0..15: ``groups`` (``q [out, in]``, ``scales, mins [out, in / GROUP]``) where given
+    (a GGUF file's own 4-bit blocks, computed on exactly), else quantized from ``weight``
+    (the group's minimum and maximum map to 0 and 15, as in a GGUF Q4_1 block, whose
     values it recovers exactly). Needs ``in % GROUP == 0``."""
 
     GROUP = 32
 
     def __init__(self, kernels: NativeKernels, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> None:
+                 bias: torch.Tensor | None,
+                 groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                 ) -> None:
         out_features, in_features = weight.shape
         check_int4_shape(in_features, self.GROUP, "int4")
         self.linear = kernels.linear_kernels(weight.dtype).int4_linear
         bf16 = weight.dtype == torch.bfloat16
         panel = 32 if bf16 else 16  # outputs per panel of the kernel's layout
-        q, self.scales, self.mins = quantize_q4_1_panels(weight, panel, self.GROUP)
+        if groups is None:
+            groups = quantize_q4_1_groups(weight, self.GROUP)
+        q, self.scales, self.mins = int4_panels(*groups, panel)
         # [panels, output, K / 2, pair] -> [panels, K / 2, output, pair]: one byte a pair
         q = q.view(q.shape[0], panel, in_features // 2, 2).transpose(1, 2)
         packed = (q[..., 0] | (q[..., 1] << 4)).contiguous()
@@ -90,6 +102,29 @@ class NativeInt4Weight:
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.linear(x, self.packed, self.scales, self.mins, self.out_features,
                            self.bias, residual)
+
+
+class NativeInt4PlanesWeight:
+    """A weight that is the sum of ``len(planes)`` 4-bit weights over the same inputs (a
+    GGUF file's 5- or 8-bit values split into nibbles, each ``(q [out, in], scales, mins
+    [out, in / GROUP])`` as ``NativeInt4Weight`` takes them): one int4 weight over the
+    inputs repeated, ``x @ (W_0 + W_1).T = [x, x] @ [W_0, W_1].T``. ``weight`` gives the
+    shape and the activations' dtype."""
+
+    def __init__(self, kernels: NativeKernels, weight: torch.Tensor,
+                 bias: torch.Tensor | None,
+                 planes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        out_features, in_features = weight.shape
+        self.repeats = len(planes)
+        stacked = tuple(torch.cat(parts, dim=1) for parts in zip(*planes, strict=True))
+        shape = weight.new_empty(1).expand(out_features, self.repeats * in_features)
+        self.inner = NativeInt4Weight(kernels, shape, bias, stacked)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.repeat(1, self.repeats))
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.inner.add(x.repeat(1, self.repeats), residual)
 
 
 class NativeW4A8Weight:

@@ -16,28 +16,42 @@ def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return (weight / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8), scales
 
 
-def quantize_q4_1_panels(weight: torch.Tensor, panel: int, group: int,
-                         dtype: torch.dtype = torch.float32
+def quantize_q4_1_groups(weight: torch.Tensor, group: int, dtype: torch.dtype = torch.float32
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GGUF Q4_1's quantization of ``weight [N, K]`` by panels of ``panel`` outputs (N
-    padded with zero rows): ``(q [panels, panel, K] uint8, scales, mins [panels, K / group,
-    panel] in dtype)`` with ``w = q * scale + min``, q in 0..15, each group of ``group``
-    inputs of a row mapping its minimum and maximum to 0 and 15. In float16 (a Q4_1 file's
-    own dtype: its values come back exactly) each q is picked against the rounded scale
-    and minimum."""
+    """GGUF Q4_1's quantization of ``weight [N, K]``: ``(q [N, K] uint8, scales, mins
+    [N, K / group] in dtype)`` with ``w = q * scale + min``, q in 0..15, each group of
+    ``group`` inputs of a row mapping its minimum and maximum to 0 and 15. In float16 (a
+    Q4_1 file's own dtype: its values come back exactly) each q is picked against the
+    rounded scale and minimum."""
     out_features, in_features = weight.shape
-    panels = -(-out_features // panel)
-    padded = torch.zeros(panels * panel, in_features)
-    padded[:out_features] = weight.float()
-    groups = padded.view(-1, in_features // group, group)
+    groups = weight.float().view(out_features, in_features // group, group)
     low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
     scales = ((high - low) / 15).clamp_min(torch.finfo(dtype).tiny).to(dtype)
     mins = low.to(dtype)
     q = ((groups - mins.float()) / scales.float()).round_().clamp_(0, 15).to(torch.uint8)
+    return q.view(out_features, in_features), scales.squeeze(-1), mins.squeeze(-1)
+
+
+def int4_panels(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, panel: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4-bit groups ``q [N, K]``, ``scales, mins [N, K / group]`` by panels of ``panel``
+    outputs (N padded with zero rows, scales and minimums): ``(q [panels, panel, K],
+    scales, mins [panels, K / group, panel])``."""
+    out_features = q.shape[0]
+    pad = -out_features % panel
+    q, scales, mins = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, scales, mins))
+    panels = q.shape[0] // panel
     # [panels * panel, groups] -> [panels, groups, panel]
     scales, mins = (t.view(panels, panel, -1).transpose(1, 2).contiguous()
                     for t in (scales, mins))
-    return q.view(panels, panel, in_features), scales, mins
+    return q.view(panels, panel, -1), scales, mins
+
+
+def quantize_q4_1_panels(weight: torch.Tensor, panel: int, group: int,
+                         dtype: torch.dtype = torch.float32
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_q4_1_groups`` by panels of ``panel`` outputs (``int4_panels``)."""
+    return int4_panels(*quantize_q4_1_groups(weight, group, dtype), panel)
 
 
 def check_int4_shape(in_features: int, group: int, quantization: str) -> None:

@@ -1,7 +1,9 @@
-"""Read a GGUF file: its ModelConfig and its tensors, dequantized, under Hugging Face names.
+"""Read a GGUF file: its ModelConfig and its tensors under Hugging Face names.
 
-Quantized tensors are dequantized to float32 at load (``gguf.quants.dequantize``) and then
-cast to the model dtype; the model runs dense. For the llama architecture, llama.cpp's
+Tensors of every type in ``gguf_blocks.SUPPORTED_TYPES`` load: dequantized to float32
+(``gguf.quants.dequantize``, bit for bit), or, with ``keep_blocks``, each matrix as the
+file's own rows (``gguf_blocks.FileRows``) for a weight format that computes on them
+(``--quantization gguf``). For the llama architecture, llama.cpp's
 converter interleaves the rows of each head of Q and K (for its "pairs of adjacent dims"
 rotary layout); ``_unpermute_heads`` restores Hugging Face's "rotate half" order::
 
@@ -12,25 +14,19 @@ rotary layout); ``_unpermute_heads`` restores Hugging Face's "rotate half" order
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.models.config import ModelConfig
+from tokenmill.models.gguf_blocks import SUPPORTED_TYPES, FileRows
 
-SUPPORTED_TYPES = (
-    GGMLQuantizationType.F32,
-    GGMLQuantizationType.F16,
-    GGMLQuantizationType.BF16,
-    GGMLQuantizationType.Q8_0,
-    GGMLQuantizationType.Q4_0,
-    GGMLQuantizationType.Q4_1,
-)
 GGUF_MAGIC = b"GGUF"
 
 _GLOBAL_NAMES = {
@@ -52,19 +48,25 @@ _LAYER_NAMES = {
 ROPE_FREQS = "rope_freqs.weight"
 
 
-def open_gguf(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
-    """(config, lazily dequantized weights) of the GGUF file at ``path``.
+def open_gguf(path: str, keep_blocks: bool = False
+              ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor | FileRows]]]:
+    """(config, lazily read weights) of the GGUF file at ``path``: float32 tensors, or with
+    ``keep_blocks`` each matrix (2-D tensor) as its ``FileRows``.
 
-    Every check that can fail (magic, parse, quant types, metadata) runs before this
-    returns, so a caller builds no model for a file it cannot load.
+    Every check that can fail on the file as a whole (magic, parse, tensor types,
+    metadata) runs before this returns, so a caller builds no model for a file it cannot
+    load; a tensor whose data cannot be decoded raises ``ModelLoadError`` as it is read.
     """
     with open(path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise ModelLoadError(f"{path} is not a GGUF file (bad magic bytes)")
     try:
         reader = GGUFReader(path, "r")
-    except (ValueError, IndexError, OSError) as e:
-        raise ModelLoadError(f"corrupt GGUF file {path}: {e}") from None
+        metadata = _metadata(reader)
+    except (ValueError, IndexError, OSError, UnicodeDecodeError) as e:
+        raise ModelLoadError(
+            f"corrupt GGUF file {path} (truncated or damaged, {os.path.getsize(path)} "
+            f"bytes): {e}") from None
     for t in reader.tensors:
         if t.tensor_type not in SUPPORTED_TYPES:
             names = ", ".join(q.name for q in SUPPORTED_TYPES)
@@ -73,7 +75,7 @@ def open_gguf(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]
                 f"{t.tensor_type.name} (supported: {names})"
             )
     shapes = {t.name: _torch_shape(t) for t in reader.tensors}
-    config = ModelConfig.from_gguf_metadata(_metadata(reader), shapes)
+    config = ModelConfig.from_gguf_metadata(metadata, shapes)
     tensors = {t.name: t for t in reader.tensors}
     if ROPE_FREQS in tensors:
         factors = tuple(float(x) for x in _dequantized(tensors.pop(ROPE_FREQS)))
@@ -82,7 +84,7 @@ def open_gguf(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]
         )
     entries = [(*_hf_name(t.name), t) for t in tensors.values()]
     permute = config.architecture == "LlamaForCausalLM"
-    return config, _weights(entries, config, permute)
+    return config, _weights(path, entries, config, permute, keep_blocks)
 
 
 def _metadata(reader: GGUFReader) -> dict[str, Any]:
@@ -99,6 +101,11 @@ def _torch_shape(t: ReaderTensor) -> tuple[int, ...]:
     return tuple(int(n) for n in reversed(t.shape.tolist()))
 
 
+def _file_rows(t: ReaderTensor) -> FileRows:
+    rows, cols = _torch_shape(t)
+    return FileRows(t.tensor_type, t.data.view(np.uint8).reshape(rows, -1), cols)
+
+
 def _dequantized(t: ReaderTensor) -> torch.Tensor:
     array = dequantize(t.data, t.tensor_type)
     if not array.flags.writeable:  # a memory-mapped F32 tensor: copy out of the file
@@ -107,14 +114,25 @@ def _dequantized(t: ReaderTensor) -> torch.Tensor:
 
 
 def _weights(
-    entries: list[tuple[str, str, ReaderTensor]], config: ModelConfig, permute: bool
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (HF name, float32 tensor); ``entries`` are (HF name, GGUF kind, tensor)."""
+    path: str, entries: list[tuple[str, str, ReaderTensor]], config: ModelConfig,
+    permute: bool, keep_blocks: bool,
+) -> Iterator[tuple[str, torch.Tensor | FileRows]]:
+    """Yields (HF name, float32 tensor or ``FileRows``); ``entries`` are (HF name, GGUF
+    kind, tensor)."""
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     for name, kind, t in entries:
-        weight = _dequantized(t)
-        if permute and kind in heads:
-            weight = _unpermute_heads(weight, heads[kind])
+        try:
+            if keep_blocks and len(t.shape) == 2:
+                weight = _file_rows(t)
+                if permute and kind in heads:
+                    rows = torch.arange(weight.shape[0])
+                    weight = weight.take(_unpermute_heads(rows, heads[kind]))
+            else:
+                weight = _dequantized(t)
+                if permute and kind in heads:
+                    weight = _unpermute_heads(weight, heads[kind])
+        except (ValueError, RuntimeError) as e:
+            raise ModelLoadError(f"corrupt tensor {t.name!r} in {path}: {e}") from None
         yield name, weight
 
 

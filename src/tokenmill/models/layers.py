@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.models.gguf_blocks import FileRows
 from tokenmill.models.layer_ops import LayerOps
 from tokenmill.models.weight_formats import PackedWeight, WeightFormat
 
@@ -22,9 +23,10 @@ class Linear(nn.Module):
 
     ``pack()`` converts the loaded weight once into ``weight_format`` (a kernel's own
     layout, or int8/int4 with scales), whose kernels compute the same product faster; with
-    no format (None) the module keeps the plain weight and ``F.linear``. Invariant: after
-    ``pack`` with a format the plain weight is released (an empty tensor): the module
-    computes, it no longer loads weights.
+    no format (None) the module keeps the plain weight and ``F.linear``. Rows loaded from
+    a GGUF file's own blocks (``keep_file_rows``) go to the format too, when they make up
+    the whole weight. Invariant: after ``pack`` with a format the plain weight is released
+    (an empty tensor): the module computes, it no longer loads weights.
     """
 
     def __init__(
@@ -45,6 +47,11 @@ class Linear(nn.Module):
         )
         self.weight_format = weight_format
         self.packed: PackedWeight | None = None
+        self.file_rows: dict[int, FileRows] = {}  # first row -> the file's rows from there
+
+    def keep_file_rows(self, first_row: int, rows: FileRows) -> None:
+        """Record that weight rows ``first_row ..`` were read from ``rows`` (for ``pack``)."""
+        self.file_rows[first_row] = rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -62,7 +69,12 @@ class Linear(nn.Module):
         if self.weight_format is None:
             return
         bias = None if self.bias is None else self.bias.data
-        self.packed = self.weight_format.pack(self.weight.data, bias)
+        rows = [self.file_rows[first] for first in sorted(self.file_rows)]
+        if sum(r.shape[0] for r in rows) == self.weight.shape[0]:
+            self.packed = self.weight_format.pack_rows(self.weight.data, bias, rows)
+        else:
+            self.packed = self.weight_format.pack(self.weight.data, bias)
+        self.file_rows = {}
         self.weight.data = self.weight.data.new_empty(0)
 
 

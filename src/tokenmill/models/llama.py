@@ -24,6 +24,7 @@ from tokenmill.models.attention_metadata import AttentionMetadata
 from tokenmill.models.attention_native import NativeAttention
 from tokenmill.models.attention_sdpa import SdpaAttention
 from tokenmill.models.config import ModelConfig
+from tokenmill.models.gguf_blocks import FileRows
 from tokenmill.models.layer_ops import LayerOps, layer_ops
 from tokenmill.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from tokenmill.models.weight_formats import PackedWeight, WeightFormat
@@ -189,13 +190,16 @@ class LlamaForCausalLM(nn.Module):
             self.packed_tied_head = self.weight_format.head.pack(
                 self.model.embed_tokens.weight.data, None)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | FileRows]]) -> None:
         """Copy Hugging Face-named tensors into the parameters (cast to their dtype/device).
+        A GGUF file's rows (``FileRows``) are dequantized into the parameter, and a
+        projection (``Linear``) also keeps them, for its weight format.
 
         Raises ``ModelLoadError`` on an unknown name, a shape mismatch, or when some
         parameter (or shard of a fused one) received no tensor.
         """
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         seen: set[str] = set()
         for name, tensor in weights:
             tied_head = self.lm_head is None and name.startswith("lm_head.")
@@ -205,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ModelLoadError(f"unexpected weight {name!r} for {self.config.architecture}")
-            dst = param.data
+            dst, lo = param.data, 0
             if shard is not None:
                 lo, hi = self._shard_rows[target.split(".")[-2]][shard]
                 dst = dst[lo:hi]
@@ -213,6 +217,11 @@ class LlamaForCausalLM(nn.Module):
                 raise ModelLoadError(
                     f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
                 )
+            if isinstance(tensor, FileRows):
+                module = modules[target.rsplit(".", 1)[0]]
+                if isinstance(module, Linear):
+                    module.keep_file_rows(lo, tensor)
+                tensor = tensor.dequantize()
             dst.copy_(tensor)
             seen.add(name)
         missing = sorted(self.expected_weight_names() - seen)

@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from tokenmill.errors import ModelLoadError
+from tokenmill.errors import InvalidParameterError, ModelLoadError
 from tokenmill.kernels import NativeKernels
 from tokenmill.model_source import default_model_path
 from tokenmill.models.config import ModelConfig
@@ -46,7 +46,13 @@ def load_model(
     if not os.path.exists(path):
         raise ModelLoadError(f"model path not found: {path}")
     if os.path.isdir(path):
+        if quantization == "gguf":
+            raise InvalidParameterError(
+                f"--quantization gguf computes on a GGUF file's own blocks; {path} is a "
+                "folder: use none, int8, int4 or w4a8", "quantization")
         config, weights = _open_hf_folder(path)
+    elif quantization == "gguf":
+        config, weights = open_gguf(path, keep_blocks=True)
     else:
         config, weights = open_gguf(path)
     try:

@@ -23,11 +23,17 @@ and accuracy costs):
   FMA and F16C: int4's weights (float16 scales and minimums) times activations quantized
   to int8 per block of 16 inputs at every call, multiplied as integers. No PyTorch form.
   The output head keeps 8 bits (native int8 where the CPU has the float32 kernels).
+- ``GGUFFormat``: ``--quantization gguf``, a GGUF file's own values (``docs/gguf.md``):
+  rows of a type that 4-bit planes hold (``gguf_blocks.PLANE_TYPES``: Q4_0, Q4_1, Q4_K in
+  one, Q5_0, Q5_1, Q5_K, Q8_0 in two) compute on them in the native int4 kernel, exactly;
+  the rows of other types in the format ``none`` gives them (their values in the dtype:
+  exact in float32).
 - None: plain ``F.linear`` (CUDA, or no packed form for this dtype here).
 """
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 
 import torch
@@ -35,15 +41,33 @@ import torch
 from tokenmill.errors import InvalidParameterError
 from tokenmill.kernels import NativeKernels
 from tokenmill.kernels.linear import (
+    NativeInt4PlanesWeight,
     NativeInt4Weight,
     NativeInt8Weight,
     NativeW4A8Weight,
     NativeWeight,
 )
+from tokenmill.models.gguf_blocks import PLANE_TYPES, FileRows
 from tokenmill.models.torch_weights import Int4Weight, Int8Weight, OneDNNWeight, onednn_supports
 
+
+class StackedRowsWeight:
+    """A weight packed in parts, each a run of its output rows (in order): the outputs of
+    the parts side by side. ``add`` rounds the product, then the sum."""
+
+    def __init__(self, parts: list[PackedWeight]) -> None:
+        self.parts = parts
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self(x).add_(residual)
+
+
 PackedWeight = (OneDNNWeight | NativeWeight | Int8Weight | NativeInt8Weight | Int4Weight
-                | NativeInt4Weight | NativeW4A8Weight)
+                | NativeInt4Weight | NativeInt4PlanesWeight | NativeW4A8Weight
+                | StackedRowsWeight)
 QUANTIZED_DTYPES = (torch.bfloat16, torch.float32)  # what int8 and int4 compute in
 
 
@@ -60,6 +84,13 @@ class WeightFormat(ABC):
     @abstractmethod
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight:
         """``weight [out, in]`` and ``bias`` converted into this format."""
+
+    def pack_rows(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                  rows: list[FileRows]) -> PackedWeight:
+        """``pack``, given also the GGUF rows ``weight`` was read from (``rows``, stacked
+        in order, make up all of it); a format that computes on a file's own blocks
+        overrides it."""
+        return self.pack(weight, bias)
 
     @property
     def head(self) -> WeightFormat:
@@ -160,6 +191,56 @@ class NativeW4A8Format(WeightFormat):
         return Int8Format()
 
 
+class GGUFFormat(WeightFormat):
+    """A GGUF file's own values: the rows of ``PLANE_TYPES`` on the native int4 kernel as
+    their 4-bit planes (one plane: ``NativeInt4Weight``; two: ``NativeInt4PlanesWeight``,
+    rows of one plane given a zero second one), unchanged; the others (and a tied output
+    head, packed from the embedding) in ``dense``, the format ``none`` takes (never None
+    where this format is supported: the native linear kernels take the dtype there, so
+    the native dense format or oneDNN does). A fused projection whose shards take both
+    routes is split where the route changes (``StackedRowsWeight``)."""
+
+    def __init__(self, kernels: NativeKernels, dense: WeightFormat) -> None:
+        self.kernels = kernels
+        self.dense = dense
+
+    @staticmethod
+    def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
+        return kernels is not None and kernels.capabilities.linear(dtype)
+
+    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight:
+        return self.dense.pack(weight, bias)
+
+    def pack_rows(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                  rows: list[FileRows]) -> PackedWeight:
+        parts, first = [], 0
+        for on_planes, run in itertools.groupby(rows, key=lambda r: r.qtype in PLANE_TYPES):
+            run = list(run)
+            last = first + sum(r.shape[0] for r in run)
+            part_bias = None if bias is None else bias[first:last]
+            if on_planes:
+                parts.append(self._pack_planes(weight[first:last], part_bias, run))
+            else:
+                parts.append(self.pack(weight[first:last], part_bias))
+            first = last
+        return parts[0] if len(parts) == 1 else StackedRowsWeight(parts)
+
+    def _pack_planes(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                     rows: list[FileRows]) -> PackedWeight:
+        shards = [r.int4_planes() for r in rows]
+        count = max(len(planes) for planes in shards)
+        for planes in shards:
+            q, scales, _ = planes[0]
+            while len(planes) < count:  # a plane of zeros: q, scale and minimum 0
+                planes.append((torch.zeros_like(q), torch.zeros_like(scales),
+                               torch.zeros_like(scales)))
+        planes = [tuple(torch.cat(parts) for parts in zip(*shard_planes, strict=True))
+                  for shard_planes in zip(*shards, strict=True)]
+        if count == 1:
+            return NativeInt4Weight(self.kernels, weight, bias, planes[0])
+        return NativeInt4PlanesWeight(self.kernels, weight, bias, planes)
+
+
 # Per quantization: its native format, then PyTorch's.
 _QUANTIZED = {"int8": (NativeInt8Format, Int8Format), "int4": (NativeInt4Format, Int4Format)}
 
@@ -177,10 +258,19 @@ def choose_weight_format(dtype: torch.dtype, device: torch.device, quantization:
         if NativeFormat.supports(dtype, kernels):
             return NativeFormat(kernels)
         return OneDNNFormat() if OneDNNFormat.supports(dtype, kernels) else None
-    assert quantization in ("int8", "int4", "w4a8"), "EngineConfig validates the name"
+    assert quantization in ("int8", "int4", "w4a8", "gguf"), "EngineConfig checks the name"
     if device.type != "cpu":
         raise InvalidParameterError(f"--quantization {quantization} runs on the CPU only",
                                     "quantization")
+    if quantization == "gguf":
+        if not GGUFFormat.supports(dtype, kernels):
+            raise InvalidParameterError(
+                "--quantization gguf needs the native linear kernels of this dtype (kernels "
+                "auto or native; bfloat16 on a CPU with AVX512-BF16, float32 on one with AVX2 "
+                "and FMA but no AVX-512): use none", "quantization")
+        dense = choose_weight_format(dtype, device, "none", kernels)
+        assert dense is not None, "the native linear kernels take the dtype (see GGUFFormat)"
+        return GGUFFormat(kernels, dense)
     if quantization == "w4a8":
         if dtype != torch.float32:
             raise InvalidParameterError("--quantization w4a8 takes float32 activations: use "

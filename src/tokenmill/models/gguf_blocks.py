@@ -1,0 +1,154 @@
+"""The GGUF tensor types tokenmill reads, and a matrix's rows as the file stores them.
+
+``SUPPORTED_TYPES``: every type a tensor of a loadable file may have. ``FileRows`` holds
+one matrix in the file's own bytes (``[rows, bytes per row]`` uint8, whole blocks per
+row) in torch's row order, and decodes it:
+
+- ``dequantize()``: float32 ``[rows, cols]`` by the gguf package's reference
+  dequantization (``gguf.quants.dequantize``), bit for bit.
+- ``int4_planes()``, for ``PLANE_TYPES`` only: the weight as a sum of one or two 4-bit
+  planes, each ``(q, scales, mins)`` with ``q`` in 0..15 and a float32 scale and minimum
+  per 32 inputs of a row, ``w = sum over planes of (q * scale + min)``. Every product
+  ``q * scale`` is exact in float32. One plane, for the 4-bit types: Q4_0 (``d (q - 8)``)
+  gives ``(d, -8 d)``; Q4_1 (``d q + m``) ``(d, m)``; Q4_K, a super-block of 256 with a
+  float16 ``d`` and ``dmin`` and per 32 a 6-bit scale ``sc`` and minimum ``mn``
+  (``d sc q - dmin mn``), ``(d sc, -(dmin mn))`` (``d sc``: 11 by 6 significant bits,
+  exact). Two planes, the low nibble and the high bits, for Q5_0 (``d (q - 16)``), Q5_1
+  (``d q + m``), Q5_K (Q4_K's form with 5-bit ``q``) and Q8_0 (``d q``, ``q`` int8, as
+  ``q + 128``). Exactness: for the 4-bit types and for Q5_0 and Q8_0, ``q * scale + min``
+  in float32, summed over the planes in float32, equals ``dequantize()`` bit for bit
+  (each part and the sum are multiples of ``d`` that float32 holds exactly); for Q5_1 and
+  Q5_K the planes sum to the exact value ``d q + m``, which ``dequantize()`` rounds once
+  to float32 (they differ from it by at most half a float32 unit in the last place).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import Q4_K, dequantize
+
+Q = GGMLQuantizationType
+SUPPORTED_TYPES = (
+    Q.F32, Q.F16, Q.BF16,
+    Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
+    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+)
+INT4_GROUP = 32
+Int4Plane = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q, scales, mins
+
+
+@dataclasses.dataclass(frozen=True)
+class FileRows:
+    """A matrix of ``cols`` columns in GGUF type ``qtype``: ``data [rows, bytes per row]``
+    uint8, row ``r`` of the matrix in ``data[r]`` (a row is whole blocks)."""
+
+    qtype: GGMLQuantizationType
+    data: np.ndarray
+    cols: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape[0], self.cols
+
+    def take(self, rows: torch.Tensor) -> FileRows:
+        """The rows ``rows`` (indices), in that order."""
+        return FileRows(self.qtype, self.data[rows.numpy()], self.cols)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 ``[rows, cols]``, as ``gguf.quants.dequantize`` computes it."""
+        bytes_per_row = self.data.shape[1]
+        array = dequantize(self.data.reshape(-1, bytes_per_row), self.qtype)
+        if not array.flags.writeable:  # an F32 view of the file: copy it out
+            array = np.array(array)
+        return torch.from_numpy(array.reshape(self.shape))
+
+    def int4_planes(self) -> list[Int4Plane]:
+        """The weight as 4-bit planes ``(q [rows, cols] uint8, scales, mins [rows, cols /
+        32] float32)`` (see the module's docstring); only for ``PLANE_TYPES``."""
+        assert self.qtype in PLANE_TYPES, f"{self.qtype.name} has no 4-bit planes"
+        _, type_size = GGML_QUANT_SIZES[self.qtype]
+        blocks = np.ascontiguousarray(self.data).reshape(-1, type_size)
+        rows, cols = self.shape
+        return [(torch.from_numpy(q.reshape(rows, cols)),
+                 torch.from_numpy(scales.reshape(rows, cols // INT4_GROUP)),
+                 torch.from_numpy(mins.reshape(rows, cols // INT4_GROUP)))
+                for q, scales, mins in _PLANE_DECODERS[self.qtype](blocks)]
+
+
+def _f16(field: np.ndarray) -> np.ndarray:
+    """``[blocks, 2]`` bytes holding a float16 -> ``[blocks, 1]`` float32."""
+    return np.ascontiguousarray(field).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, run: int) -> np.ndarray:
+    """``[blocks, B]`` bytes -> ``[blocks, 2 B]`` 4-bit values: each run of ``run`` bytes
+    gives its low nibbles, then its high ones (GGUF's order within a block)."""
+    split = qs.reshape(qs.shape[0], -1, 1, run) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    return (split & np.uint8(0x0F)).reshape(qs.shape[0], -1)
+
+
+def _bits(qh: np.ndarray, count: int) -> np.ndarray:
+    """``[blocks, count / 8]`` bytes -> ``[blocks, count]`` bits, least significant first."""
+    return np.unpackbits(qh, axis=-1, count=count, bitorder="little")
+
+
+NpPlane = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def _q4_0(blocks: np.ndarray) -> list[NpPlane]:
+    d = _f16(blocks[:, :2])
+    return [(_nibbles(blocks[:, 2:], 16), d, d * np.float32(-8))]
+
+
+def _q4_1(blocks: np.ndarray) -> list[NpPlane]:
+    return [(_nibbles(blocks[:, 4:], 16), _f16(blocks[:, :2]), _f16(blocks[:, 2:4]))]
+
+
+def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's per-32 scales ``d sc`` and minimums ``-(dmin mn)``: ``[blocks,
+    8]`` float32 each, exact."""
+    d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])
+    return d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+
+
+def _q4_k(blocks: np.ndarray) -> list[NpPlane]:
+    return [(_nibbles(blocks[:, 16:], 32), *_k_scales(blocks))]
+
+
+def _q5_0(blocks: np.ndarray) -> list[NpPlane]:
+    d = _f16(blocks[:, :2])
+    high = _bits(blocks[:, 2:6], 32)
+    return [(_nibbles(blocks[:, 6:], 16), d, d * np.float32(-16)),
+            (high, d * np.float32(16), np.zeros_like(d))]
+
+
+def _q5_1(blocks: np.ndarray) -> list[NpPlane]:
+    d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    high = _bits(blocks[:, 4:8], 32)
+    return [(_nibbles(blocks[:, 8:], 16), d, m), (high, d * np.float32(16), np.zeros_like(d))]
+
+
+def _q5_k(blocks: np.ndarray) -> list[NpPlane]:
+    scales, mins = _k_scales(blocks)
+    # qh's bit j of byte i is input i of the j-th run of 32
+    high = _bits(blocks[:, 16:48].reshape(-1, 32, 1), 8).transpose(0, 2, 1)
+    return [(_nibbles(blocks[:, 48:], 32), scales, mins),
+            (np.ascontiguousarray(high).reshape(-1, 256), scales * np.float32(16),
+             np.zeros_like(mins))]
+
+
+def _q8_0(blocks: np.ndarray) -> list[NpPlane]:
+    d = _f16(blocks[:, :2])
+    q = blocks[:, 2:] ^ np.uint8(0x80)  # int8 q -> q + 128, in 0..255
+    return [(q & np.uint8(0x0F), d, d * np.float32(-128)),
+            (q >> np.uint8(4), d * np.float32(16), np.zeros_like(d))]
+
+
+_PLANE_DECODERS = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q4_K: _q4_k,
+                   Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q5_K: _q5_k, Q.Q8_0: _q8_0}
+PLANE_TYPES = tuple(_PLANE_DECODERS)  # the types a weight of 4-bit planes holds exactly
