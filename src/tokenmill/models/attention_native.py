@@ -78,14 +78,16 @@ class NativePrefill:
 class NativeAttention(AttentionBackend):
     """Rotary and the KV store in one pass (``rotary_store_kv``), then ``NativeDecode``,
     and ``NativePrefill`` where ``kernels.capabilities`` has it for ``dtype`` (the model's)
-    and ``head_dim``, else ``SdpaPrefill``."""
+    and ``head_dim``, else ``SdpaPrefill``; ``scale``: of q . k (None: ``head_dim ** -0.5``).
+    No sliding window: a windowed layer takes ``SdpaAttention`` (see ``causal_lm``)."""
 
     def __init__(self, kernels: NativeKernels, num_heads: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype) -> None:
+                 head_dim: int, dtype: torch.dtype, scale: float | None = None) -> None:
         prefill: PrefillAttention = (
             NativePrefill(kernels, dtype, head_dim)
             if kernels.capabilities.prefill_attention(dtype, head_dim) else SdpaPrefill(dtype))
-        super().__init__(num_heads, num_kv_heads, head_dim, NativeDecode(kernels), prefill)
+        super().__init__(num_heads, num_kv_heads, head_dim, NativeDecode(kernels), prefill,
+                         scale)
         self._rotary_store_kv = kernels.rotary_store_kv
 
     def __call__(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
