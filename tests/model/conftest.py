@@ -20,6 +20,14 @@ TINY_VARIANTS = {
     "llama3_rope": ("llama", {"rope_scaling": LLAMA3_ROPE}),
     "linear_rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
     "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "mistral": ("mistral", {"sliding_window": 8}),
+    "phi3": ("phi3", {"sliding_window": 12}),
+    # sliding (window 8) and full layers alternating, each with its own rotary base
+    "gemma3": ("gemma3", {"num_hidden_layers": 4, "head_dim": 32, "sliding_window": 8,
+                          "sliding_window_pattern": 2}),
+    "gemma3_head256": ("gemma3", {"head_dim": 256, "sliding_window": 8,
+                                  "sliding_window_pattern": 2}),
 }
 
 

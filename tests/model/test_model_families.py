@@ -1,0 +1,192 @@
+"""Qwen3, Mistral, Phi-3 and Gemma 3 (text): tiny random checkpoints, loaded from
+safetensors, agree with Hugging Face in float32 (greedy tokens and logits), alone and in
+ragged batches (``test_paged_batches`` runs them too); a sliding window really cuts what each layer attends to, and its blocks
+outside the window are never read."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from paged_runner import PagedRunner, greedy_generate
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from tokenmill.errors import ModelLoadError
+from tokenmill.models.attention_metadata import AttentionMetadata
+from tokenmill.models.attention_native import NativeAttention
+from tokenmill.models.attention_sdpa import SdpaAttention
+from tokenmill.models.config import FULL, SLIDING, ModelConfig
+from tokenmill.models.loader import load_model
+
+CPU = torch.device("cpu")
+FAMILIES = ["qwen3", "mistral", "phi3", "gemma3", "gemma3_head256"]
+WINDOWED = ["mistral", "phi3", "gemma3", "gemma3_head256"]
+PROMPT = [5, 17, 300, 42, 8, 99, 123, 7, 256, 31, 64, 200, 11, 3, 77, 150, 9, 410, 21, 60]
+NEW_TOKENS = 40
+
+
+def hf_model(model_dir: str):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=n, do_sample=False, eos_token_id=None,
+    )
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+@pytest.mark.parametrize("variant", FAMILIES)
+def test_greedy_and_logits_match_hf(tiny_model_dir, variant):
+    """40 greedy tokens (prefill in chunks of 6, so windows cut chunks with context) and
+    every step's logits against one full Hugging Face forward."""
+    model_dir = tiny_model_dir(variant)
+    ours, _ = load_model(model_dir, torch.float32, CPU)
+    theirs = hf_model(model_dir)
+    ref = hf_greedy(theirs, PROMPT, NEW_TOKENS)
+    assert greedy_generate(ours, PROMPT, NEW_TOKENS, chunk_size=6) == ref
+
+    runner = PagedRunner(ours, block_size=4)
+    steps = [runner.step([(0, PROMPT)])[0]]
+    steps += [runner.step([(0, [tok])])[0] for tok in ref[:-1]]
+    full = hf_logits(theirs, PROMPT + ref[:-1])
+    torch.testing.assert_close(torch.stack(steps), full[len(PROMPT) - 1:], atol=1e-4,
+                               rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", WINDOWED)
+def test_the_window_changes_the_output(tiny_model_dir, variant):
+    """The tiny windows are short enough to matter: without them the logits differ."""
+    model_dir = tiny_model_dir(variant)
+    ours, config = load_model(model_dir, torch.float32, CPU)
+    assert config.sliding_window is not None and SLIDING in config.layer_types
+    windowed = PagedRunner(ours).step([(0, PROMPT)], all_tokens=True)
+    # a window longer than the prompt: the same layers (and rotary bases), nothing cut
+    ours_full = type(ours)(dataclasses.replace(config, sliding_window=1000), torch.float32,
+                           CPU)
+    ours_full.load_weights(load_file(f"{model_dir}/model.safetensors").items())
+    full = PagedRunner(ours_full).step([(0, PROMPT)], all_tokens=True)
+    first_cut = config.sliding_window  # position of the first query its window cuts
+    torch.testing.assert_close(windowed[:first_cut], full[:first_cut])
+    assert (windowed[first_cut:] - full[first_cut:]).abs().max() > 1e-3
+
+
+def test_gemma3_layers_and_scales(tiny_model_dir):
+    """Gemma 3's config as read: alternating layers, two rotary bases, its q . k scale,
+    tied head, tanh-GELU; norms loaded as 1 + weight."""
+    model_dir = tiny_model_dir("gemma3")
+    ours, config = load_model(model_dir, torch.float32, CPU)
+    assert config.layer_types == (SLIDING, FULL, SLIDING, FULL)
+    assert (config.rope_theta, config.sliding_rope_theta) == (1_000_000.0, 10_000.0)
+    assert config.attention_scale == 256**-0.5 and config.tie_word_embeddings
+    assert config.hidden_act == "gelu_pytorch_tanh" and config.qk_norm
+    stored = load_file(f"{model_dir}/model.safetensors")
+    norm = "model.layers.1.post_feedforward_layernorm.weight"
+    torch.testing.assert_close(ours.state_dict()[norm], stored[norm] + 1)
+
+
+def test_qwen2_biases_and_phi3_fused_checkpoint(tiny_model_dir):
+    """Qwen2 (and Qwen2.5, the same architecture) carries q/k/v biases and no o_proj bias;
+    Phi-3's checkpoint holds the fused projections under our own names."""
+    qwen2 = load_model(tiny_model_dir("qwen2"), torch.float32, CPU)[1]
+    assert qwen2.attention_bias and not qwen2.o_proj_bias
+    stored = load_file(f"{tiny_model_dir('qwen2')}/model.safetensors")
+    assert stored["model.layers.0.self_attn.q_proj.bias"].abs().max() > 0
+    phi3 = load_file(f"{tiny_model_dir('phi3')}/model.safetensors")
+    assert "model.layers.0.self_attn.qkv_proj.weight" in phi3
+    assert "model.layers.0.mlp.gate_up_proj.weight" in phi3
+
+
+@pytest.mark.parametrize("variant", ["gemma3_head256", "mistral"])
+def test_native_kernels_path_matches_hf(tiny_model_dir, native, variant):
+    """With the native kernels: full layers on ``NativeAttention`` (head 256 on its decode
+    kernel, SDPA prefills), windowed layers on ``SdpaAttention`` with the window."""
+    model_dir = tiny_model_dir(variant)
+    ours, config = load_model(model_dir, torch.float32, CPU, kernels=native)
+    for i, backend in enumerate(ours.layer_attentions):
+        window = config.layer_window(i)
+        if window is None:
+            assert type(backend) is NativeAttention
+        else:
+            assert type(backend) is SdpaAttention and backend.window == window
+    assert len(ours.attentions) == len({config.layer_window(i)
+                                        for i in range(config.num_hidden_layers)})
+    theirs = hf_model(model_dir)
+    ref = hf_greedy(theirs, PROMPT, NEW_TOKENS)
+    assert greedy_generate(ours, PROMPT, NEW_TOKENS, chunk_size=6) == ref
+
+
+def test_windowed_plans_read_only_the_window():
+    """Decodes and prefill chunks of long sequences gather only the blocks holding their
+    windows' keys (a block more at most, for a window that starts mid-block)."""
+    window, bs, heads, kv_heads, head_dim = 8, 4, 2, 1, 16
+    attention = SdpaAttention(heads, kv_heads, head_dim, torch.float32, window=window)
+    seq_lens = [100, 37, 30]
+    query_lens = [1, 1, 5]  # two decodes, one prefill chunk with context 25
+    tables = torch.arange(3 * 25).view(3, 25)
+    slots = torch.tensor([int(tables[0, 24]) * bs + 3, int(tables[1, 9]) * bs]
+                         + [int(tables[2, p // bs]) * bs + p % bs for p in range(25, 30)])
+    md = AttentionMetadata(slot_mapping=slots, query_start_loc=[0, 1, 2, 7],
+                           query_lens=query_lens, seq_lens=seq_lens, block_tables=tables,
+                           block_size=bs)
+    plan = attention.plan(md, num_cache_blocks=100)
+    decode_blocks = plan.decode.block_ids[: len(plan.decode.block_ids) // 2].view(2, -1)
+    assert decode_blocks.shape[1] <= -(-window // bs) + 1
+    # seq 0 (len 100) sees positions 92..99: blocks 23 and 24 of its table
+    assert decode_blocks[0].tolist()[:2] == tables[0, 23:25].tolist()
+    assert decode_blocks[1].tolist()[:3] == tables[1, 7:10].tolist()  # 29..36
+    (prefill,) = plan.prefill
+    # the first query (position 25) sees 18..25: blocks 4..7 (positions 16..31) are read
+    assert prefill.num_keys == 14 and prefill.mask.shape == (5, 14)
+    assert prefill.blocks.tolist() == [*tables[2, 4:8].tolist(),
+                                       *(tables[2, 4:8] + 100).tolist()]
+    visible = prefill.mask == 0
+    assert visible[0].nonzero().flatten().tolist() == list(range(2, 10))  # 18..25
+    assert visible[4].nonzero().flatten().tolist() == list(range(6, 14))  # 22..29
+
+
+def test_hf_configs_of_other_layouts():
+    """Window switched off by use_sliding_window; Gemma 3's transformers 4.x layout;
+    what no family here runs raises ModelLoadError."""
+    base = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 6, "num_attention_heads": 4}
+    qwen = ModelConfig.from_hf_dict({**base, "architectures": ["Qwen2ForCausalLM"],
+                                     "use_sliding_window": False, "sliding_window": 4096})
+    assert qwen.sliding_window is None and qwen.layer_types == ()
+    qwen_swa = ModelConfig.from_hf_dict({**base, "architectures": ["Qwen2ForCausalLM"],
+                                         "use_sliding_window": True, "sliding_window": 64,
+                                         "max_window_layers": 4})
+    assert qwen_swa.layer_types == (FULL,) * 4 + (SLIDING,) * 2
+    mistral = ModelConfig.from_hf_dict({**base, "architectures": ["MistralForCausalLM"],
+                                        "sliding_window": None})
+    assert mistral.layer_window(0) is None
+    gemma = ModelConfig.from_hf_dict({
+        **base, "architectures": ["Gemma3ForCausalLM"], "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+        "sliding_window": 512, "sliding_window_pattern": 6, "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    })
+    assert gemma.layer_types == (SLIDING,) * 5 + (FULL,)
+    assert gemma.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert (gemma.rope_theta, gemma.sliding_rope_theta, gemma.head_dim) == (1e6, 1e4, 256)
+    assert gemma.tie_word_embeddings
+    for extra, message in [
+        ({"architectures": ["Phi3ForCausalLM"],
+          "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
+         "partial_rotary_factor"),
+        ({"architectures": ["Gemma3ForCausalLM"], "final_logit_softcapping": 30.0},
+         "final_logit_softcapping"),
+        ({"architectures": ["LlamaForCausalLM"], "hidden_act": "relu"}, "'relu'"),
+        ({"architectures": ["GPT2LMHeadModel"]}, "Qwen3ForCausalLM"),
+    ]:
+        with pytest.raises(ModelLoadError, match=message):
+            ModelConfig.from_hf_dict({**base, **extra})
