@@ -87,7 +87,11 @@ class PagedCausalLM(nn.Module):
 
     def layer_plans(self, attn_metadata: AttentionMetadata,
                     num_cache_blocks: int) -> list[AttentionPlan]:
-        """Each layer's attention plan, one ``plan`` call per distinct backend."""
+        """Each layer's attention plan, one ``plan`` call per distinct backend (a model
+        with one backend, as Llama's, pays no Python call more than that one)."""
+        if len(self.attentions) == 1:
+            return [self.attentions[0].plan(attn_metadata, num_cache_blocks)] * len(
+                self._plan_of_layer)
         plans = [a.plan(attn_metadata, num_cache_blocks) for a in self.attentions]
         return [plans[i] for i in self._plan_of_layer]
 
