@@ -208,11 +208,46 @@ class ModelConfig:
             attention_bias="blk.0.attn_q.bias" in tensor_shapes,
             o_proj_bias="blk.0.attn_output.bias" in tensor_shapes,
             qk_norm=family.qk_norm,
+            **_gguf_family_fields(meta, arch, family, int(get("block_count")), hidden,
+                                  num_heads),
         )
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """One layer's paged KV cache: ``[2 (k, v), num_blocks, block_size, kv_heads, D]``."""
         return (2, num_blocks, block_size, self.num_key_value_heads, self.head_dim)
+
+
+def _gguf_family_fields(meta: Mapping[str, Any], arch: str, family: ModelFamily,
+                       num_layers: int, hidden: int, num_heads: int) -> dict[str, Any]:
+    """The sliding window and Gemma 3's fields of a GGUF file, as llama.cpp reads them.
+
+    ``{arch}.attention.sliding_window`` sets the window, on the layers
+    ``attention.sliding_window_pattern`` marks (per-layer flags, or a period; default: 6
+    for Gemma 3, every layer for Phi-3, whose window llama.cpp itself ignores and
+    transformers does not), its sliding layers' rotary base ``rope.freq_base_swa``, and its q . k scale
+    is llama.cpp's: ``hidden / heads`` for the 62-layer (27B) model, else the head size
+    (what ``query_pre_attn_scalar`` is for each released size)."""
+    fields: dict[str, Any] = {}
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if window:
+        pattern = meta.get(f"{arch}.attention.sliding_window_pattern",
+                           6 if family.gemma_norms else 0)
+        if isinstance(pattern, list):
+            types = tuple(SLIDING if flag else FULL for flag in pattern)
+        else:  # llama.cpp's: 0 every layer sliding, n the last of every n full
+            pattern = int(pattern)
+            types = tuple(SLIDING if pattern == 0 or i % pattern < pattern - 1 else FULL
+                          for i in range(num_layers))
+        if SLIDING in types:
+            fields.update(sliding_window=int(window), layer_types=types)
+    if family.gemma_norms:
+        head_dim = int(meta.get(f"{arch}.attention.key_length", 256))
+        fields.update(
+            hidden_act="gelu_pytorch_tanh",
+            query_pre_attn_scalar=float(hidden // num_heads if num_layers == 62 else head_dim),
+            sliding_rope_theta=float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0)),
+        )
+    return fields
 
 
 def _hf_rope_of(d: Mapping[str, Any], family: ModelFamily

@@ -26,6 +26,9 @@ class ModelFamily:
     # the config has no ``layer_types``.
     window_on_every_layer: bool = False
     gemma_norms: bool = False  # norms scale by (1 + weight), sqrt(hidden) embeddings
+    # GGUF layer tensor kinds that name another Hugging Face module than Llama's
+    # (``gguf_loader``'s table), as (GGUF kind, HF module) pairs.
+    gguf_layer_names: tuple[tuple[str, str], ...] = ()
 
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -37,8 +40,13 @@ FAMILIES: dict[str, ModelFamily] = {
         ModelFamily("Qwen2ForCausalLM", "qwen2", qkv_bias=True),
         ModelFamily("Qwen3ForCausalLM", "qwen3", qk_norm=True),
         ModelFamily("Phi3ForCausalLM", "phi3", fused_checkpoint=True,
-                    window_on_every_layer=True),
-        ModelFamily("Gemma3ForCausalLM", "gemma3", qk_norm=True, gemma_norms=True),
+                    window_on_every_layer=True,
+                    gguf_layer_names=(("attn_qkv", "self_attn.qkv_proj"),
+                                      ("ffn_up", "mlp.gate_up_proj"))),
+        ModelFamily("Gemma3ForCausalLM", "gemma3", qk_norm=True, gemma_norms=True,
+                    gguf_layer_names=(("ffn_norm", "pre_feedforward_layernorm"),
+                                      ("post_attention_norm", "post_attention_layernorm"),
+                                      ("post_ffw_norm", "post_feedforward_layernorm"))),
     )
 }
 
