@@ -28,6 +28,11 @@ TINY_VARIANTS = {
                           "sliding_window_pattern": 2}),
     "gemma3_head256": ("gemma3", {"head_dim": 256, "sliding_window": 8,
                                   "sliding_window_pattern": 2}),
+    # what a llama.cpp-converted file can say: Mistral without a window (the converter
+    # drops it), Gemma 3 with the default layer pattern and a head-size scale
+    "mistral_no_window": ("mistral", {"sliding_window": None}),
+    "gemma3_pattern6": ("gemma3", {"num_hidden_layers": 6, "head_dim": 32,
+                                   "query_pre_attn_scalar": 32, "sliding_window": 8}),
 }
 
 

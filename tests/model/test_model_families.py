@@ -6,9 +6,14 @@ outside the window are never read."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from gguf_writer import write_gguf
 from paged_runner import PagedRunner, greedy_generate
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -190,3 +195,49 @@ def test_hf_configs_of_other_layouts():
     ]:
         with pytest.raises(ModelLoadError, match=message):
             ModelConfig.from_hf_dict({**base, **extra})
+
+
+@pytest.mark.parametrize("variant,arch", [("qwen3", "qwen3"), ("phi3", "phi3"),
+                                          ("gemma3_head256", "gemma3")])
+def test_gguf_matches_hf(tiny_model_dir, tmp_path, variant, arch):
+    """The same checkpoints as GGUF files (``gguf_writer``: llama.cpp's names and
+    metadata): same config, same logits. (A GGUF file has no query_pre_attn_scalar:
+    llama.cpp takes the head size, which the head-256 Gemma has, as released ones but
+    the 27B.)"""
+    model_dir = tiny_model_dir(variant)
+    path = str(tmp_path / "m.gguf")
+    write_gguf(model_dir, path, arch=arch)
+    ours, config = load_model(path, torch.float32, CPU)
+    hf_config = load_model(model_dir, torch.float32, CPU)[1]
+    assert config.rms_norm_eps == pytest.approx(hf_config.rms_norm_eps)  # float32 in GGUF
+    assert dataclasses.replace(config, rms_norm_eps=hf_config.rms_norm_eps) == hf_config
+    got = PagedRunner(ours).step([(0, PROMPT)], all_tokens=True)
+    torch.testing.assert_close(got, hf_logits(hf_model(model_dir), PROMPT), atol=1e-4,
+                               rtol=1e-4)
+
+
+LLAMA_CPP = Path(os.environ.get("PEERS", Path.home() / ".cache/tokenmill-peers")) / "llama.cpp"
+
+
+@pytest.mark.skipif(not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file(),
+                    reason=f"no llama.cpp converter at {LLAMA_CPP} "
+                           "(/work/shared/peers/build-llama-server.sh unpacks it)")
+@pytest.mark.parametrize("variant", ["qwen3", "mistral_no_window", "phi3", "gemma3_pattern6"])
+def test_llama_cpp_converted_gguf_matches_hf(tiny_model_dir, tmp_path, variant):
+    """Files made by llama.cpp's own converter load as the same model. (Gemma's converter
+    keeps only the tokenizer's rows of the embedding: the logits compared are those.)"""
+    model_dir = tiny_model_dir(variant)
+    path = str(tmp_path / "m.gguf")
+    subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("llama_cpp_convert.py")),
+         str(LLAMA_CPP), model_dir, "--outfile", path, "--outtype", "f32"],
+        check=True, capture_output=True, timeout=300,
+    )
+    ours, config = load_model(path, torch.float32, CPU)
+    hf_config = load_model(model_dir, torch.float32, CPU)[1]
+    assert config.layer_types == hf_config.layer_types
+    assert config.attention_scale == pytest.approx(hf_config.attention_scale)
+    prompt = [t for t in PROMPT if t < 400]  # within the tokenizer's vocabulary
+    got = PagedRunner(ours).step([(0, prompt)], all_tokens=True)
+    ref = hf_logits(hf_model(model_dir), prompt)[:, : got.shape[1]]
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
