@@ -347,6 +347,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cac
     if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>) {
       if (op.head_dim == 64) return decode_attention_avx2<scalar_t, 64>(op);
       if (op.head_dim == 128) return decode_attention_avx2<scalar_t, 128>(op);
+      if (op.head_dim == 256) return decode_attention_avx2<scalar_t, 256>(op);  // Gemma 3
     }
 #endif
     switch (op.head_dim) {
