@@ -1,7 +1,7 @@
 """Qwen3, Mistral, Phi-3 and Gemma 3 (text): tiny random checkpoints, loaded from
-safetensors, agree with Hugging Face in float32 (greedy tokens and logits), alone and in
-ragged batches (``test_paged_batches`` runs them too); a sliding window really cuts what each layer attends to, and its blocks
-outside the window are never read."""
+safetensors and from GGUF, agree with Hugging Face in float32 (greedy tokens and logits);
+``test_paged_batches`` runs them in ragged batches. A sliding window really cuts what each
+layer attends to, and its blocks outside the window are never read."""
 
 from __future__ import annotations
 

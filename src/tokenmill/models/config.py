@@ -224,9 +224,10 @@ def _gguf_family_fields(meta: Mapping[str, Any], arch: str, family: ModelFamily,
     ``{arch}.attention.sliding_window`` sets the window, on the layers
     ``attention.sliding_window_pattern`` marks (per-layer flags, or a period; default: 6
     for Gemma 3, every layer for Phi-3, whose window llama.cpp itself ignores and
-    transformers does not), its sliding layers' rotary base ``rope.freq_base_swa``, and its q . k scale
-    is llama.cpp's: ``hidden / heads`` for the 62-layer (27B) model, else the head size
-    (what ``query_pre_attn_scalar`` is for each released size)."""
+    transformers does not). Gemma 3's sliding layers take the rotary base
+    ``rope.freq_base_swa``, and its q . k scale is llama.cpp's: ``hidden / heads`` for the
+    62-layer (27B) model, else the head size (what ``query_pre_attn_scalar`` is for each
+    released size)."""
     fields: dict[str, Any] = {}
     window = meta.get(f"{arch}.attention.sliding_window")
     if window:
