@@ -69,6 +69,14 @@ class ModelConfig:
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
+    @property
+    def kv_window(self) -> int | None:
+        """The window of every layer, where all of them are sliding (the KV cache may then
+        drop what is behind it); None where some layer attends to every position."""
+        if self.layer_types and all(t == SLIDING for t in self.layer_types):
+            return self.sliding_window
+        return None
+
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer ``layer``; None where it attends to every position."""
         if self.layer_types and self.layer_types[layer] == SLIDING:
