@@ -21,6 +21,9 @@ SCHEDULES = {
     "chunked_prefill": {"max_num_batched_tokens": 16},
     # 16 blocks of 4: the 6 requests' 400-odd tokens fit at once only as windows
     "small_pool": {"num_kv_blocks": 16, "max_model_len": 64},
+    # verify steps: several tokens of a sequence with context, over the window
+    "speculative": {"speculative_ngram": 4, "ngram_min": 1, "ngram_max": 3,
+                    "speculative_disable_by_batch_size": 64},
 }
 
 
