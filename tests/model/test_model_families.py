@@ -110,23 +110,48 @@ def test_qwen2_biases_and_phi3_fused_checkpoint(tiny_model_dir):
     assert "model.layers.0.mlp.gate_up_proj.weight" in phi3
 
 
-@pytest.mark.parametrize("variant", ["gemma3_head256", "mistral"])
+@pytest.mark.parametrize("variant", ["gemma3_head256", "gemma3", "mistral"])
 def test_native_kernels_path_matches_hf(tiny_model_dir, native, variant):
-    """With the native kernels: full layers on ``NativeAttention`` (head 256 on its decode
-    kernel, SDPA prefills), windowed layers on ``SdpaAttention`` with the window."""
+    """With the native kernels: every layer on ``NativeAttention`` (head 256 on its decode
+    kernel; float32 prefills on SDPA), windowed layers' decodes by the kernel with the
+    window, their prefills by SDPA with it."""
     model_dir = tiny_model_dir(variant)
     ours, config = load_model(model_dir, torch.float32, CPU, kernels=native)
     for i, backend in enumerate(ours.layer_attentions):
-        window = config.layer_window(i)
-        if window is None:
-            assert type(backend) is NativeAttention
-        else:
-            assert type(backend) is SdpaAttention and backend.window == window
+        assert type(backend) is NativeAttention
+        assert backend.prefill.window == config.layer_window(i)
     assert len(ours.attentions) == len({config.layer_window(i)
                                         for i in range(config.num_hidden_layers)})
     theirs = hf_model(model_dir)
     ref = hf_greedy(theirs, PROMPT, NEW_TOKENS)
     assert greedy_generate(ours, PROMPT, NEW_TOKENS, chunk_size=6) == ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 40])
+def test_native_windowed_decode_matches_exact_attention(native, dtype, head_dim):
+    """The kernel's window: each sequence's last ``window`` keys, from a window start in
+    mid-block, at a block edge, or before the first key (a short sequence)."""
+    window, bs, heads, kv_heads = 7, 4, 4, 2
+    gen = torch.Generator().manual_seed(head_dim)
+    lens = [30, 9, 3, 28, 7]  # starts 23 (mid-block), 2, 0, 21, 0
+    max_blocks, num_seqs = 8, len(lens)
+    cache = torch.randn(2, num_seqs * max_blocks, bs, kv_heads, head_dim, generator=gen)
+    cache = cache.to(dtype)
+    tables = torch.randperm(num_seqs * max_blocks, generator=gen).view(num_seqs, max_blocks)
+    q = torch.randn(num_seqs, heads, head_dim, generator=gen).to(dtype)
+    out = native.paged_decode_attention(q, cache[0], cache[1], tables.to(torch.int32),
+                                        torch.tensor(lens, dtype=torch.int32),
+                                        head_dim**-0.5, window)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    for b, seq_len in enumerate(lens):
+        rows = torch.tensor([int(tables[b, t // bs]) * bs + t % bs
+                             for t in range(max(0, seq_len - window), seq_len)])
+        k, v = (cache[i].reshape(-1, kv_heads, head_dim)[rows].double() for i in (0, 1))
+        k, v = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
+        scores = torch.einsum("hd,thd->ht", q[b].double(), k) * head_dim**-0.5
+        expected = torch.einsum("ht,thd->hd", scores.softmax(-1), v)
+        torch.testing.assert_close(out[b].double(), expected, atol=tolerance, rtol=tolerance)
 
 
 def test_windowed_plans_read_only_the_window():

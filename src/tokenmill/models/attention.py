@@ -31,10 +31,11 @@ or prefill attention over its own sub-plan:
 
 The result is identical to full causal attention over each sequence's tokens (tested).
 
-Sliding window (``SdpaAttention`` built with ``window=W``): a query at position ``p`` sees
-keys ``p - W < j <= p`` only, and reads only the blocks that hold them: a decode's block
-table starts at the block of its first visible key (``_plan_decode``), a prefill's at the
-block of its first query's first visible key.
+Sliding window (a backend built with ``window=W``): a query at position ``p`` sees keys
+``p - W < j <= p`` only, and reads only the blocks that hold them: a decode's from the
+block of its first visible key (the native kernel starts there; SDPA's block table is
+shifted to start there, ``_plan_decode``), a prefill's from the block of its first
+query's first visible key (SDPA; the native prefill kernel takes no window).
 
 NOTE: SDPA reads padded keys and then masks them, so their weight is exactly 0, but 0 * NaN
 is NaN: the KV cache must hold finite values everywhere (allocate it with ``torch.zeros``).

@@ -10,9 +10,8 @@ them fused, as Phi-3's, fills them whole)::
 
 Attention: one backend per distinct sliding window of the layers (``ModelConfig.
 layer_window``), shared by the layers of that window and planned once per forward pass
-(``layer_plans``). Full layers take the native kernels' backend where the engine has them;
-windowed ones take ``SdpaAttention`` with the window (the native kernels read a sequence
-from its first position, they cannot start at a window's).
+(``layer_plans``): ``NativeAttention`` where the engine has native kernels (windowed
+layers' prefills on SDPA: the prefill kernel has no window), else ``SdpaAttention``.
 """
 
 from __future__ import annotations
@@ -177,10 +176,11 @@ def attention_backends(config: ModelConfig, dtype: torch.dtype,
         window = config.layer_window(layer)
         if window in built:
             continue
-        if kernels is None or window is not None:
+        if kernels is None:
             built[window] = SdpaAttention(*heads, dtype, config.attention_scale, window)
         else:
-            built[window] = NativeAttention(kernels, *heads, dtype, config.attention_scale)
+            built[window] = NativeAttention(kernels, *heads, dtype, config.attention_scale,
+                                            window)
     return [built[config.layer_window(i)] for i in range(config.num_hidden_layers)]
 
 
