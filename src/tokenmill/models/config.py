@@ -84,11 +84,7 @@ class ModelConfig:
         return None
 
     def __post_init__(self) -> None:
-        if self.architecture not in FAMILIES:
-            raise ModelLoadError(
-                f"unsupported model architecture {self.architecture!r} "
-                f"(supported: {', '.join(sorted(FAMILIES))})"
-            )
+        _family_of(self.architecture)
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ModelLoadError(
                 f"unsupported hidden_act {self.hidden_act!r} "
@@ -121,12 +117,7 @@ class ModelConfig:
         archs = d.get("architectures") or []
         if not archs:
             raise ModelLoadError("config.json names no architecture ('architectures' is empty)")
-        family = FAMILIES.get(archs[0])
-        if family is None:
-            raise ModelLoadError(
-                f"unsupported model architecture {archs[0]!r} "
-                f"(supported: {', '.join(sorted(FAMILIES))})"
-            )
+        family = _family_of(archs[0])
         if d.get("mlp_bias"):
             raise ModelLoadError("unsupported config: mlp_bias = true")
         for key in ("final_logit_softcapping", "attn_logit_softcapping"):
@@ -223,6 +214,16 @@ class ModelConfig:
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """One layer's paged KV cache: ``[2 (k, v), num_blocks, block_size, kv_heads, D]``."""
         return (2, num_blocks, block_size, self.num_key_value_heads, self.head_dim)
+
+
+def _family_of(architecture: str) -> ModelFamily:
+    """The family of a Hugging Face architecture name; ModelLoadError naming the supported
+    ones if there is none."""
+    family = FAMILIES.get(architecture)
+    if family is None:
+        raise ModelLoadError(f"unsupported model architecture {architecture!r} "
+                             f"(supported: {', '.join(sorted(FAMILIES))})")
+    return family
 
 
 def _gguf_family_fields(meta: Mapping[str, Any], arch: str, family: ModelFamily,
