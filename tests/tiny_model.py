@@ -4,8 +4,9 @@
 qwen2, qwen3, mistral, phi3, gemma3) writes, with fixed seeds:
 
 - ``config.json`` + ``model.safetensors`` from ``transformers`` (2 layers, hidden 64, 4 heads,
-  2 KV heads, vocab 512, tied embeddings; norm weights and biases perturbed so that they
-  matter; ``overrides`` replace any config field);
+  2 KV heads, vocab 512, tied embeddings; the head size is the config class's default:
+  hidden / heads, but 128 for Qwen3 and 256 for Gemma 3; norm weights and biases perturbed
+  so that they matter; ``overrides`` replace any config field);
 - a byte-level BPE tokenizer trained on the English text below (vocab 400 <= model vocab),
   special tokens ``<|endoftext|>`` (id 0, bos/pad), ``<|im_start|>`` (1), ``<|im_end|>``
   (2, eos), and a ChatML chat template that renders tools (by name only: the tokenizer
