@@ -1,10 +1,12 @@
-"""A tiny random-weight Llama/Qwen2 model folder with a real (small) tokenizer, for tests.
+"""A tiny random-weight model folder with a real (small) tokenizer, for tests.
 
-``make_tiny_model_dir(path, arch="llama" | "qwen2", **overrides)`` writes, with fixed seeds:
+``make_tiny_model_dir(path, arch, **overrides)`` (``arch`` one of ``ARCHITECTURES``: llama,
+qwen2, qwen3, mistral, phi3, gemma3) writes, with fixed seeds:
 
 - ``config.json`` + ``model.safetensors`` from ``transformers`` (2 layers, hidden 64, 4 heads,
-  2 KV heads, vocab 512, tied embeddings; norm weights and biases perturbed so that they
-  matter; ``overrides`` replace any config field);
+  2 KV heads, vocab 512, tied embeddings; the head size is the config class's default:
+  hidden / heads, but 128 for Qwen3 and 256 for Gemma 3; norm weights and biases perturbed
+  so that they matter; ``overrides`` replace any config field);
 - a byte-level BPE tokenizer trained on the English text below (vocab 400 <= model vocab),
   special tokens ``<|endoftext|>`` (id 0, bos/pad), ``<|im_start|>`` (1), ``<|im_end|>``
   (2, eos), and a ChatML chat template that renders tools (by name only: the tokenizer
@@ -22,12 +24,31 @@ import os
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
+
+# arch name -> (config class, model class)
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "phi3": (Phi3Config, Phi3ForCausalLM),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+}
 
 # Llama 3.1-style rope scaling with a small original context, so tiny prompts feel it.
 LLAMA3_ROPE = {
@@ -101,7 +122,7 @@ def train_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def tiny_config(arch: str = "llama", **overrides) -> LlamaConfig | Qwen2Config:
+def tiny_config(arch: str = "llama", **overrides) -> PretrainedConfig:
     fields = dict(
         vocab_size=512,
         hidden_size=64,
@@ -118,18 +139,16 @@ def tiny_config(arch: str = "llama", **overrides) -> LlamaConfig | Qwen2Config:
         pad_token_id=0,
     )
     fields.update(overrides)
-    if arch == "llama":
-        return LlamaConfig(**fields)
-    if arch == "qwen2":
-        return Qwen2Config(**fields)
-    raise ValueError(f"arch must be 'llama' or 'qwen2', got {arch!r}")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch must be one of {', '.join(ARCHITECTURES)}, got {arch!r}")
+    return ARCHITECTURES[arch][0](**fields)
 
 
 def make_tiny_model_dir(path: str | os.PathLike, arch: str = "llama", **overrides) -> str:
     """Write a tiny model + tokenizer folder at ``path`` and return it as a string."""
     path = os.fspath(path)
     config = tiny_config(arch, **overrides)
-    model_cls = LlamaForCausalLM if arch == "llama" else Qwen2ForCausalLM
+    model_cls = ARCHITECTURES[arch][1]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = model_cls(config)

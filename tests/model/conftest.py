@@ -20,6 +20,19 @@ TINY_VARIANTS = {
     "llama3_rope": ("llama", {"rope_scaling": LLAMA3_ROPE}),
     "linear_rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
     "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "mistral": ("mistral", {"sliding_window": 8}),
+    "phi3": ("phi3", {"sliding_window": 12}),
+    # sliding (window 8) and full layers alternating, each with its own rotary base
+    "gemma3": ("gemma3", {"num_hidden_layers": 4, "head_dim": 32, "sliding_window": 8,
+                          "sliding_window_pattern": 2}),
+    "gemma3_head256": ("gemma3", {"head_dim": 256, "sliding_window": 8,
+                                  "sliding_window_pattern": 2}),
+    # what a llama.cpp-converted file can say: Mistral without a window (the converter
+    # drops it), Gemma 3 with the default layer pattern and a head-size scale
+    "mistral_no_window": ("mistral", {"sliding_window": None}),
+    "gemma3_pattern6": ("gemma3", {"num_hidden_layers": 6, "head_dim": 32,
+                                   "query_pre_attn_scalar": 32, "sliding_window": 8}),
 }
 
 

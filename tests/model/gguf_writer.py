@@ -1,8 +1,12 @@
 """Write a tiny Hugging Face model folder as a GGUF file, the way llama.cpp's converter does.
 
-Independent of the loader under test: its own name table, and llama.cpp's own Q/K row
+Independent of the loader under test: its own name tables, and llama.cpp's own Q/K row
 permutation (``llama_cpp_permute``, copied from ``convert_hf_to_gguf.py``). Matrices are
-stored in the requested type, vectors (norms, biases) in F32, like llama.cpp. For the
+stored in the requested type, vectors (norms, biases) in F32, like llama.cpp. For
+``arch="gemma3"``, norms are stored as ``1 + weight`` and the sliding window, its layer
+pattern and its rotary base go in the metadata, as the converter writes them (the pattern
+too, which the converter leaves to llama.cpp's default); ``arch="phi3"`` keeps its fused
+projections under ``attn_qkv`` and ``ffn_up``. For the
 types the gguf package cannot quantize (the K-quants), or on request, matrices are
 ``random_blocks`` of the type instead of the model's weights.
 """
@@ -30,6 +34,14 @@ LAYER_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
+ARCH_LAYER_NAMES = {
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+    "gemma3": {"pre_feedforward_layernorm": "ffn_norm",
+               "post_attention_layernorm": "post_attention_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"},
 }
 GLOBAL_NAMES = {
     "model.embed_tokens": "token_embd",
@@ -92,12 +104,13 @@ def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int,
     return data.reshape(rows, -1)
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     module, suffix = hf_name.rsplit(".", 1)
     if module in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[module]}.{suffix}"
     _, _, layer, rest = module.split(".", 3)
-    return f"blk.{layer}.{LAYER_NAMES[rest]}.{suffix}"
+    names = {**LAYER_NAMES, **ARCH_LAYER_NAMES.get(arch, {})}
+    return f"blk.{layer}.{names[rest]}.{suffix}"
 
 
 def llama3_rope_factors(cfg: dict, head_dim: int) -> np.ndarray:
@@ -132,23 +145,35 @@ def write_gguf(
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    head_dim = cfg["hidden_size"] // n_head
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
+    rope = cfg["rope_parameters"]
+    if arch == "gemma3":
+        rope = rope["full_attention"]
     writer = gguf.GGUFWriter(out_path, arch)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    if arch in ("phi3", "gemma3") and cfg.get("sliding_window"):  # not for llama: Mistral's
+        writer.add_sliding_window(cfg["sliding_window"])          # window is dropped
+    if arch == "gemma3":
+        writer.add_uint32(f"{arch}.attention.sliding_window_pattern",
+                          cfg.get("sliding_window_pattern", 6))
+        writer.add_float32(f"{arch}.rope.freq_base_swa",
+                           cfg["rope_parameters"]["sliding_attention"]["rope_theta"])
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(n_head)
     writer.add_head_count_kv(n_kv)
-    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
-    if cfg["rope_parameters"]["rope_type"] == "llama3":
+    if rope["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg, head_dim))
     stored = {}
     for name, tensor in load_file(os.path.join(hf_dir, "model.safetensors")).items():
         data = tensor.float().numpy()
-        target = gguf_name(name)
+        target = gguf_name(name, arch)
         kind = (overrides or {}).get(target, qtype if data.ndim == 2 else GGMLQuantizationType.F32)
         if data.ndim == 2 and (random or kind not in QUANTIZERS):
             packed = random_blocks(kind, *data.shape, rng)
@@ -166,6 +191,8 @@ def write_gguf(
             packed = quantize(llama_cpp_permute(data, n_head), kind)
         elif arch == "llama" and ".k_proj." in name:
             packed = quantize(llama_cpp_permute(data, n_kv), kind)
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            packed = quantize(data + 1, kind)
         writer.add_tensor(target, packed, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -171,10 +171,10 @@ def test_native_decode_kernel_rejects_bad_input(native):
         op(q.double(), cache[0], cache[1], tables, lens, 1.0)
 
 
-# unrolled sizes (64 and 128 register-blocked on AVX2) and the generic loop; query heads per
-# KV head: 3 (one value pass), 1, 8 (passes of 3, 3 and 2 heads); 4 sequences split by KV
-# head over the threads, 40 sequences a task each
-@pytest.mark.parametrize("head_dim", [64, 128, 40])
+# unrolled sizes (64, 128 and 256 register-blocked on AVX2) and the generic loop; query
+# heads per KV head: 3 (one value pass), 1, 8 (passes of 3, 3 and 2 heads); 4 sequences
+# split by KV head over the threads, 40 sequences a task each
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 40])
 @pytest.mark.parametrize(("heads", "kv_heads", "num_seqs"),
                          [(HEADS, KV_HEADS, 4), (2, 2, 4), (16, 2, 4), (HEADS, KV_HEADS, 40)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -46,7 +46,10 @@ def run_staggered_batch(model, prompts, chunk_sizes, arrivals, num_new, block_si
     return tokens, logits
 
 
-@pytest.mark.parametrize("variant,block_size", [("llama", 4), ("qwen2", 16), ("llama3_rope", 8)])
+@pytest.mark.parametrize("variant,block_size", [
+    ("llama", 4), ("qwen2", 16), ("llama3_rope", 8), ("qwen3", 4), ("mistral", 4),
+    ("phi3", 16), ("gemma3", 8),
+])
 def test_mixed_batch_matches_hf_per_sequence(tiny_model_dir, variant, block_size):
     model_dir = tiny_model_dir(variant)
     ours, _ = load_model(model_dir, torch.float32, torch.device("cpu"))

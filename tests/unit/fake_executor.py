@@ -43,10 +43,14 @@ class FakeExecutor:
     """
 
     def __init__(self, block_size: int, tokens_per_step: int = 1,
-                 next_token: Callable[[Sequence[int]], int] = sum_model) -> None:
+                 next_token: Callable[[Sequence[int]], int] = sum_model,
+                 window: int | None = None) -> None:
         self.block_size = block_size
         self.tokens_per_step = tokens_per_step  # > 1: as if speculative drafts were accepted
         self.next_token = next_token
+        # a sliding window: reads only the positions the first new token can see (pass a
+        # ``next_token`` that looks at the last ``window`` tokens only)
+        self.window = window
         self.slots: dict[tuple[int, int], int] = {}
         self.steps: list[SchedulerOutput] = []
 
@@ -55,8 +59,9 @@ class FakeExecutor:
         bs = self.block_size
         sampled = {}
         for item in scheduler_output.requests:
+            first = 0 if self.window is None else max(0, item.start_pos - self.window + 1)
             context = [self.slots[(item.block_ids[p // bs], p % bs)]
-                       for p in range(item.start_pos)]
+                       for p in range(first, item.start_pos)]
             for offset, token in enumerate(item.token_ids):
                 p = item.start_pos + offset
                 self.slots[(item.block_ids[p // bs], p % bs)] = token
@@ -90,10 +95,12 @@ def make_request(prompt: list[int], max_tokens: int = 8, group_id: str | None = 
 
 def make_core(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 256,
               tokens_per_step: int = 1, next_token: Callable[[Sequence[int]], int] = sum_model,
-              **options) -> EngineCore:
+              window: int | None = None, **options) -> EngineCore:
+    """``window``: a model whose every layer has that sliding window (the KV cache drops
+    what is behind it, and the fake model reads only what is in it)."""
     config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, **options)
-    return EngineCore(config, FakeExecutor(block_size, tokens_per_step, next_token), num_blocks,
-                      max_model_len)
+    return EngineCore(config, FakeExecutor(block_size, tokens_per_step, next_token, window),
+                      num_blocks, max_model_len, window)
 
 
 def run_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[str, list[int]]:

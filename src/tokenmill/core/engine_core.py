@@ -53,11 +53,14 @@ class ModelExecutor(Protocol):
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: ModelExecutor, num_kv_blocks: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, kv_window: int | None = None) -> None:
+        """``kv_window``: the sliding window of every layer of the model, where all of them
+        have one (blocks behind it return to the pool: ``KVCacheManager``); None else."""
         self.config = config
         self.executor = executor
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                 kv_window)
         self.scheduler = Scheduler(config, self.kv, max_model_len)
         self._pending: list[EngineCoreOutput] = []  # outputs of aborts, sent with the next step
         # called in each step once the scheduler has moved requests (before the forward

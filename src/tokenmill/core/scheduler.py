@@ -263,6 +263,7 @@ class Scheduler:
             request.num_computed_tokens += len(item.token_ids) - num_drafts
             request.counters.model_forward_time += runner_output.forward_time
             self.kv.cache_computed_blocks(request)
+            self.kv.release_behind_window(request)
             token_ids = runner_output.sampled.get(item.req_id)
             if not token_ids:
                 continue
@@ -287,6 +288,7 @@ class Scheduler:
             return
         request.num_computed_tokens += num_accepted
         self.kv.cache_computed_blocks(request)
+        self.kv.release_behind_window(request)
         self.kv.trim(request)
 
     def _commit(self, request: Request, token_ids: tuple[int, ...], now: float,

@@ -44,7 +44,7 @@ def build_engine(config: EngineConfig) -> Engine:
     num_blocks = _num_kv_blocks(config, model_config, dtype, max_model_len)
     runner = ModelRunner(model, device, dtype, num_blocks, config.block_size, seed=config.seed,
                          kernels=kernels)
-    core = EngineCore(config, runner, num_blocks, max_model_len)
+    core = EngineCore(config, runner, num_blocks, max_model_len, model_config.kv_window)
     logger.info("model %s on %s (%s, quantization %s, kernels %s): %d KV blocks of %d "
                 "tokens, max_model_len %d", model_name_for(config.model), device,
                 str(dtype).removeprefix("torch."), config.quantization,

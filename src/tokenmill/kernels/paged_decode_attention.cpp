@@ -9,7 +9,10 @@
 // the others find them in cache. Arithmetic is float32 whatever the storage dtype;
 // softmax is exact (max subtracted), never over padding.
 //
-// On AVX2 hosts float32 and bfloat16 heads of 64 or 128 take a register-blocked path
+// With a sliding window W > 0, sequence b's keys are only its last W (len_b - W .. len_b
+// - 1): the kernel starts at that key's block and reads nothing before it.
+//
+// On AVX2 hosts float32 and bfloat16 heads of 64, 128 or 256 take a register-blocked path
 // (decode_attention_avx2): a KV head at a time, scores for 8 keys at once folded without a
 // horizontal sum per key, and each value row read once for up to 3 query heads.
 #include <ATen/ATen.h>
@@ -61,11 +64,12 @@ struct DecodeOperands {
   const int32_t* lens;
   T* out;
   float scale;
+  int64_t window;  // > 0: each query sees its sequence's last `window` keys only
   int64_t heads_per_task, tasks_per_seq;
 
   DecodeOperands(const at::Tensor& q_, const at::Tensor& key_cache,
                  const at::Tensor& value_cache, const at::Tensor& block_tables,
-                 const at::Tensor& seq_lens, double scale_, at::Tensor& out_)
+                 const at::Tensor& seq_lens, double scale_, int64_t window_, at::Tensor& out_)
       : num_seqs(q_.size(0)), num_heads(q_.size(1)), num_kv_heads(key_cache.size(2)),
         group(num_heads / num_kv_heads), head_dim(q_.size(2)),
         block_size(key_cache.size(1)), block_stride(key_cache.stride(0)),
@@ -73,18 +77,27 @@ struct DecodeOperands {
         q_seq_stride(q_.stride(0)), q_head_stride(q_.stride(1)), q(q_.data_ptr<T>()),
         k(key_cache.data_ptr<T>()), v(value_cache.data_ptr<T>()),
         tables(block_tables.data_ptr<int32_t>()), lens(seq_lens.data_ptr<int32_t>()),
-        out(out_.data_ptr<T>()), scale(static_cast<float>(scale_)),
+        out(out_.data_ptr<T>()), scale(static_cast<float>(scale_)), window(window_),
         heads_per_task(num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1),
         tasks_per_seq(num_kv_heads / heads_per_task) {}
 
-  // offsets[t] for t < lens[b]: where token t's row of sequence b's KV heads from kv_begin
-  // starts in either cache.
+  // The first key sequence b's query sees: 0, or the window's first.
+  int64_t first_key(int64_t b) const {
+    return window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+  }
+
+  // The keys sequence b's query sees: first_key(b) .. lens[b] - 1.
+  int64_t visible_len(int64_t b) const { return lens[b] - first_key(b); }
+
+  // offsets[t] for t < visible_len(b): where visible key t's row of sequence b's KV heads
+  // from kv_begin starts in either cache. Only the blocks holding visible keys are read.
   void row_offsets(int64_t b, int64_t kv_begin, int64_t* offsets) const {
     const int32_t* table = tables + b * table_stride;
-    for (int64_t t = 0, block = 0; t < lens[b]; ++block) {
+    const int64_t first = first_key(b);
+    for (int64_t t = first, block = first / block_size; t < lens[b]; ++block) {
       const int64_t base = table[block] * block_stride + kv_begin * head_dim;
-      for (int64_t i = 0; i < block_size && t < lens[b]; ++i, ++t) {
-        offsets[t] = base + i * token_stride;
+      for (int64_t i = t % block_size; i < block_size && t < lens[b]; ++i, ++t) {
+        offsets[t - first] = base + i * token_stride;
       }
     }
   }
@@ -106,7 +119,7 @@ void decode_attention_kernel(const DecodeOperands<T>& op) {
       const int64_t kv_begin = (task % op.tasks_per_seq) * heads_per_task;
       const int64_t h_begin = kv_begin * group, h_end = (kv_begin + heads_per_task) * group;
       const int64_t width = heads_per_task * head_dim;  // elements of a token's K or V row
-      const int64_t len = op.lens[b];
+      const int64_t len = op.visible_len(b);
       scores.resize(op.num_heads * len);
       offsets.resize(len);
       op.row_offsets(b, kv_begin, offsets.data());
@@ -232,7 +245,7 @@ void decode_attention_avx2(const DecodeOperands<T>& op) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / op.tasks_per_seq;
       const int64_t kv_begin = (task % op.tasks_per_seq) * heads_per_task;
-      const int64_t len = op.lens[b];
+      const int64_t len = op.visible_len(b);
       const int64_t padded = (len + kKeys - 1) / kKeys * kKeys;
       const int64_t width = heads_per_task * HEAD_DIM;  // elements of a token's K or V row
       scores.resize(group * padded);
@@ -324,8 +337,9 @@ void decode_attention_avx2(const DecodeOperands<T>& op) {
 // block_tables [B, max_blocks] int32; seq_lens [B] int32 (each >= 1) -> [B, H, D].
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale) {
+                                  const at::Tensor& seq_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4, "q [B, H, D], cache [N, bs, kvh, D]");
+  TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
   TORCH_CHECK(q.stride(2) == 1 && key_cache.is_contiguous() && value_cache.is_contiguous(),
               "q's last dimension and the caches must be contiguous");
   TORCH_CHECK(key_cache.scalar_type() == q.scalar_type() &&
@@ -342,11 +356,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cac
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(),
                                   "paged_decode_attention", [&] {
     const DecodeOperands<scalar_t> op(q, key_cache, value_cache, block_tables, seq_lens,
-                                      scale, out);
+                                      scale, window, out);
 #if defined(__AVX2__) && defined(__FMA__)
     if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>) {
       if (op.head_dim == 64) return decode_attention_avx2<scalar_t, 64>(op);
       if (op.head_dim == 128) return decode_attention_avx2<scalar_t, 128>(op);
+      if (op.head_dim == 256) return decode_attention_avx2<scalar_t, 256>(op);  // Gemma 3
     }
 #endif
     switch (op.head_dim) {
@@ -365,7 +380,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cac
 
 TORCH_LIBRARY(tokenmill, m) {
   m.def("paged_decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+        "Tensor block_tables, Tensor seq_lens, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {

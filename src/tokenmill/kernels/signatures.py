@@ -38,10 +38,12 @@ class RotaryStoreKV(Protocol):
 
 class PagedDecodeAttention(Protocol):
     def __call__(self, q: Tensor, key_cache: Tensor, value_cache: Tensor,
-                 block_tables: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
+                 block_tables: Tensor, seq_lens: Tensor, scale: float,
+                 window: int = 0) -> Tensor:
         """Attention of one query token per sequence, ``q [B, heads, D]`` (rows may be
         strided), over its ``seq_lens[b]`` keys and values read in place in the blocks
-        ``block_tables[b]`` names (both int32) -> ``[B, heads, D]``."""
+        ``block_tables[b]`` names (both int32) -> ``[B, heads, D]``; with ``window > 0``
+        over its last ``window`` keys only."""
         ...
 
 

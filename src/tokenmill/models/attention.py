@@ -31,6 +31,12 @@ or prefill attention over its own sub-plan:
 
 The result is identical to full causal attention over each sequence's tokens (tested).
 
+Sliding window (a backend built with ``window=W``): a query at position ``p`` sees keys
+``p - W < j <= p`` only, and reads only the blocks that hold them: a decode's from the
+block of its first visible key (the native kernel starts there; SDPA's block table is
+shifted to start there, ``_plan_decode``), a prefill's from the block of its first
+query's first visible key (SDPA; the native prefill kernel takes no window).
+
 NOTE: SDPA reads padded keys and then masks them, so their weight is exactly 0, but 0 * NaN
 is NaN: the KV cache must hold finite values everywhere (allocate it with ``torch.zeros``).
 """
@@ -94,13 +100,14 @@ class AttentionBackend(ABC, Generic[D, P]):
     attention fixed when the backend is built."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 decode: DecodeAttention[D], prefill: PrefillAttention[P]) -> None:
+                 decode: DecodeAttention[D], prefill: PrefillAttention[P],
+                 scale: float | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.q_size = num_heads * head_dim
         self.qk_size = self.q_size + num_kv_heads * head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale  # of q . k
         self.decode = decode
         self.prefill = prefill
 
@@ -129,10 +136,16 @@ class AttentionBackend(ABC, Generic[D, P]):
                 tables = md.block_tables[rows, :nb]
                 decode_idx = torch.tensor([md.query_start_loc[i] for i in decode_rows],
                                           dtype=torch.long, device=device)
-            decode = self.decode.plan(tables, lens, num_cache_blocks)
+            decode = self._plan_decode(tables, lens, md.block_size, num_cache_blocks)
         prefill = (self.prefill.plan(md, prefill_rows, num_cache_blocks) if prefill_rows
                    else None)
         return AttentionPlan(md.slot_mapping, decode_idx, decode, prefill)
+
+    def _plan_decode(self, block_tables: torch.Tensor, seq_lens: list[int], block_size: int,
+                     num_cache_blocks: int) -> D:
+        """The decode sub-plan (see ``DecodeAttention.plan``); a windowed backend narrows
+        the tables to the window."""
+        return self.decode.plan(block_tables, seq_lens, num_cache_blocks)
 
     def _attend_with_prefills(self, q: torch.Tensor, k: torch.Tensor | None,
                               v: torch.Tensor | None, kv_cache: torch.Tensor,

@@ -28,10 +28,12 @@ class NativePrefillPlan:
 
 class NativeDecode:
     """Every decode sequence in one ``paged_decode_attention`` call, each over its own
-    length."""
+    length (with a ``window``: over its last ``window`` keys, read from their blocks
+    only)."""
 
-    def __init__(self, kernels: NativeKernels) -> None:
+    def __init__(self, kernels: NativeKernels, window: int | None = None) -> None:
         self._attention = kernels.paged_decode_attention
+        self._window = window or 0  # the kernel's: 0 is none
 
     def plan(self, block_tables: torch.Tensor, seq_lens: list[int],
              num_cache_blocks: int) -> NativeDecodePlan:
@@ -42,7 +44,7 @@ class NativeDecode:
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: NativeDecodePlan,
                  scale: float) -> torch.Tensor:
         out = self._attention(q, kv_cache[0], kv_cache[1], plan.block_tables, plan.seq_lens,
-                              scale)
+                              scale, self._window)
         return out.view(q.shape[0], -1)
 
 
@@ -78,14 +80,19 @@ class NativePrefill:
 class NativeAttention(AttentionBackend):
     """Rotary and the KV store in one pass (``rotary_store_kv``), then ``NativeDecode``,
     and ``NativePrefill`` where ``kernels.capabilities`` has it for ``dtype`` (the model's)
-    and ``head_dim``, else ``SdpaPrefill``."""
+    and ``head_dim``, else ``SdpaPrefill``; ``scale``: of q . k (None: ``head_dim ** -0.5``).
+    With a sliding ``window``, the decode kernel takes it and prefills take ``SdpaPrefill``
+    with it (the prefill kernel has no window)."""
 
     def __init__(self, kernels: NativeKernels, num_heads: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype) -> None:
+                 head_dim: int, dtype: torch.dtype, scale: float | None = None,
+                 window: int | None = None) -> None:
         prefill: PrefillAttention = (
             NativePrefill(kernels, dtype, head_dim)
-            if kernels.capabilities.prefill_attention(dtype, head_dim) else SdpaPrefill(dtype))
-        super().__init__(num_heads, num_kv_heads, head_dim, NativeDecode(kernels), prefill)
+            if window is None and kernels.capabilities.prefill_attention(dtype, head_dim)
+            else SdpaPrefill(dtype, window))
+        super().__init__(num_heads, num_kv_heads, head_dim, NativeDecode(kernels, window),
+                         prefill, scale)
         self._rotary_store_kv = kernels.rotary_store_kv
 
     def __call__(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -25,9 +25,12 @@ class SdpaDecodePlan:
 class PrefillSeq:
     start: int  # flat token range [start, end) of this sequence's new tokens
     end: int
-    seq_len: int
-    blocks: torch.Tensor | None  # [2 * ceil(seq_len / bs)] as _kv_rows; None when ctx == 0
-    mask: torch.Tensor | None  # [q_len, seq_len] additive (0 or -inf); None when ctx == 0
+    num_keys: int  # keys read from the cache: the first ones of ``blocks``
+    # [2 * blocks from first_key's to the last] as _kv_rows; None when ctx == 0 (the new
+    # keys are read from k, v)
+    blocks: torch.Tensor | None
+    # [q_len, num_keys] additive (0 or -inf); None: plain causal (ctx == 0, no window cut)
+    mask: torch.Tensor | None
 
 
 class SdpaDecode:
@@ -36,16 +39,22 @@ class SdpaDecode:
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype  # the masks' (additive: 0 where visible, -inf elsewhere)
 
-    def plan(self, block_tables: torch.Tensor, seq_lens: list[int],
-             num_cache_blocks: int) -> SdpaDecodePlan:
+    def plan(self, block_tables: torch.Tensor, seq_lens: list[int], num_cache_blocks: int,
+             first_keys: list[int] | None = None) -> SdpaDecodePlan:
+        """As ``DecodeAttention.plan``; ``first_keys[b]`` (a sliding window's): row ``b``
+        sees its keys ``first_keys[b] .. seq_lens[b] - 1`` only (None: from 0)."""
         max_len = max(seq_lens)
         mask = None
-        if min(seq_lens) != max_len:
+        cut = first_keys is not None and max(first_keys) > 0
+        if min(seq_lens) != max_len or cut:
             device = block_tables.device
             lens = torch.tensor(seq_lens, dtype=torch.long, device=device)
             keys = torch.arange(max_len, device=device)
-            visible = (keys[None, :] < lens[:, None]).view(len(seq_lens), 1, 1, max_len)
-            mask = _additive(visible, self.dtype)
+            visible = keys[None, :] < lens[:, None]
+            if cut:
+                firsts = torch.tensor(first_keys, dtype=torch.long, device=device)
+                visible &= keys[None, :] >= firsts[:, None]
+            mask = _additive(visible.view(len(seq_lens), 1, 1, max_len), self.dtype)
         return SdpaDecodePlan(_kv_rows(block_tables.reshape(-1), num_cache_blocks),
                               len(seq_lens), max_len, mask)
 
@@ -63,12 +72,14 @@ class SdpaDecode:
 
 
 class SdpaPrefill:
-    """One causal SDPA call per prefill sequence."""
+    """One causal SDPA call per prefill sequence; with a ``window``, over the keys each
+    query's window holds (see ``attention``)."""
 
     reads_new_kv = True  # a sequence with no earlier context attends over them directly
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, window: int | None = None) -> None:
         self.dtype = dtype  # the masks'
+        self.window = window
 
     def plan(self, md: AttentionMetadata, rows: list[int],
              num_cache_blocks: int) -> list[PrefillSeq]:
@@ -78,13 +89,22 @@ class SdpaPrefill:
         start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
         seq_len = md.seq_lens[i]
         ctx = seq_len - (end - start)
-        if ctx == 0:
+        window = self.window if self.window is not None and seq_len > self.window else None
+        if ctx == 0 and window is None:
             return PrefillSeq(start, end, seq_len, None, None)
         device = md.slot_mapping.device
-        blocks = _kv_rows(md.block_tables[i, : -(-seq_len // md.block_size)], num_cache_blocks)
-        query_pos = torch.arange(ctx, seq_len, device=device)
-        visible = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
-        return PrefillSeq(start, end, seq_len, blocks, _additive(visible, self.dtype))
+        # the first block read: the one of the first query's first visible key
+        first_block = 0 if window is None else max(0, ctx - window + 1) // md.block_size
+        first_key = 0 if ctx == 0 else first_block * md.block_size
+        blocks = None if ctx == 0 else _kv_rows(
+            md.block_tables[i, first_block : -(-seq_len // md.block_size)], num_cache_blocks)
+        query_pos = torch.arange(ctx, seq_len, device=device)[:, None]
+        key_pos = torch.arange(first_key, seq_len, device=device)[None, :]
+        visible = key_pos <= query_pos
+        if window is not None:
+            visible &= key_pos > query_pos - window
+        return PrefillSeq(start, end, seq_len - first_key, blocks,
+                          _additive(visible, self.dtype))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                  kv_cache: torch.Tensor, plan: list[PrefillSeq], scale: float,
@@ -99,12 +119,32 @@ class SdpaPrefill:
 
 class SdpaAttention(AttentionBackend[SdpaDecodePlan, list[PrefillSeq]]):
     """Rotary and the KV store as PyTorch ops, then ``SdpaDecode`` and ``SdpaPrefill``;
-    ``dtype``: the model's."""
+    ``dtype``: the model's; ``scale``: of q . k (None: ``head_dim ** -0.5``); ``window``:
+    a sliding window (see ``attention``; None: none)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, scale: float | None = None,
+                 window: int | None = None) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, SdpaDecode(dtype),
-                         SdpaPrefill(dtype))
+                         SdpaPrefill(dtype, window), scale)
+        self.window = window
+
+    def _plan_decode(self, block_tables: torch.Tensor, seq_lens: list[int], block_size: int,
+                     num_cache_blocks: int) -> SdpaDecodePlan:
+        """Each row's table shifted to start at the block of its first visible key
+        ``max(0, len - window)``; the keys before it in that block are masked."""
+        if self.window is None or max(seq_lens) <= self.window:
+            return self.decode.plan(block_tables, seq_lens, num_cache_blocks)
+        firsts = [max(0, n - self.window) // block_size for n in seq_lens]
+        lens = [n - f * block_size for n, f in zip(seq_lens, firsts, strict=True)]
+        first_keys = [max(0, n - self.window) - f * block_size
+                      for n, f in zip(seq_lens, firsts, strict=True)]
+        width = -(-max(lens) // block_size)
+        device = block_tables.device
+        cols = (torch.tensor(firsts, dtype=torch.long, device=device)[:, None]
+                + torch.arange(width, device=device)).clamp_(max=block_tables.shape[1] - 1)
+        return self.decode.plan(block_tables.gather(1, cols), lens, num_cache_blocks,
+                                first_keys)
 
     def __call__(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_cache: torch.Tensor,
@@ -151,7 +191,8 @@ def _prefill_attention(
     seq: PrefillSeq,
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention for one sequence's ``q_len`` new tokens -> ``[q_len, heads*D]``.
+    """Causal (windowed: by ``seq.mask``) attention for one sequence's ``q_len`` new
+    tokens -> ``[q_len, heads*D]``.
 
     NOTE: the tensors are 4-D ``[1, heads, len, D]``: with 3-D ones SDPA on CPU falls back
     to its unfused path, ten times slower."""
@@ -161,7 +202,7 @@ def _prefill_attention(
     else:
         # [2, nb, bs * kvh * D] -> [2, seq_len, kvh, D]
         kv = _gather_blocks(kv_cache, seq.blocks)
-        kv = kv.view(2, -1, *kv_cache.shape[3:])[:, : seq.seq_len]
+        kv = kv.view(2, -1, *kv_cache.shape[3:])[:, : seq.num_keys]
         keys, values = kv[0], kv[1]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],

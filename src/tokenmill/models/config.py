@@ -1,9 +1,16 @@
-"""The architecture hyper-parameters of a Llama-family model, from either source format.
+"""The architecture hyper-parameters of a supported model, from either source format.
 
 ``ModelConfig`` is built from a Hugging Face ``config.json`` dict (``from_hf_dict``) or from
-GGUF metadata (``from_gguf_metadata``). Invariant: an instance describes a model this package
-can run; anything it cannot (an unknown rope type, a non-SiLU activation, heads that do not
-divide) raises ``ModelLoadError`` while building it, never later in the forward pass.
+GGUF metadata (``from_gguf_metadata``); what each architecture's keys mean is its
+``families.ModelFamily``. Invariant: an instance describes a model this package can run;
+anything it cannot (an unknown architecture or rope type, an activation other than SiLU or
+tanh-GELU, heads that do not divide, a partial rotary) raises ``ModelLoadError`` while
+building it, never later in the forward pass.
+
+Sliding-window attention: ``layer_types[i]`` is ``"sliding_attention"`` where layer ``i``
+attends to the last ``sliding_window`` positions only (a query at position ``p`` sees keys
+``p - sliding_window < j <= p``, as Hugging Face's mask), ``"full_attention"`` elsewhere;
+``layer_types`` is empty where every layer is full (and then ``sliding_window`` is None).
 
 ``rope_scaling`` is ``None`` (plain RoPE) or a dict with a ``rope_type`` of:
 
@@ -21,11 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.models.families import FAMILIES, GGUF_FAMILIES, ModelFamily
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
-
-# GGUF ``general.architecture`` -> the Hugging Face architecture name it corresponds to.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +52,51 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # bias on the q, k and v projections (Qwen2; Llama with attention_bias)
     o_proj_bias: bool = False  # bias on the output projection (Llama with attention_bias)
+    qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma 3)
+    sliding_window: int | None = None  # see the module docstring
+    layer_types: tuple[str, ...] = ()  # FULL or SLIDING per layer; empty: all FULL
+    hidden_act: str = "silu"  # the MLP gate's: "silu" or "gelu_pytorch_tanh" (Gemma)
+    # Gemma 3: attention scale query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5), and
+    # the sliding layers' own rotary base (None: rope_theta; they take no rope scaling).
+    query_pre_attn_scalar: float | None = None
+    sliding_rope_theta: float | None = None
+
+    @property
+    def family(self) -> ModelFamily:
+        return FAMILIES[self.architecture]
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window of every layer, where all of them are sliding (the KV cache may then
+        drop what is behind it); None where some layer attends to every position."""
+        if self.layer_types and all(t == SLIDING for t in self.layer_types):
+            return self.sliding_window
+        return None
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer``; None where it attends to every position."""
+        if self.layer_types and self.layer_types[layer] == SLIDING:
+            return self.sliding_window
+        return None
 
     def __post_init__(self) -> None:
+        _family_of(self.architecture)
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ModelLoadError(
+                f"unsupported hidden_act {self.hidden_act!r} "
+                f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})"
+            )
+        if self.layer_types:
+            if len(self.layer_types) != self.num_hidden_layers or not set(
+                    self.layer_types) <= {FULL, SLIDING}:
+                raise ModelLoadError(f"layer_types must name {FULL!r} or {SLIDING!r} for each "
+                                     f"of the {self.num_hidden_layers} layers")
+            if self.sliding_window is None or self.sliding_window < 1:
+                raise ModelLoadError("sliding_attention layers need a sliding_window >= 1")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelLoadError(
                 f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
@@ -67,22 +117,27 @@ class ModelConfig:
         archs = d.get("architectures") or []
         if not archs:
             raise ModelLoadError("config.json names no architecture ('architectures' is empty)")
-        act = d.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelLoadError(f"unsupported hidden_act {act!r} (only 'silu' is supported)")
+        family = _family_of(archs[0])
         if d.get("mlp_bias"):
             raise ModelLoadError("unsupported config: mlp_bias = true")
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if d.get(key) is not None:
+                raise ModelLoadError(f"unsupported config: {key} = {d[key]}")
+        if d.get("use_bidirectional_attention"):
+            raise ModelLoadError("unsupported config: use_bidirectional_attention = true")
         try:
             num_heads = int(d["num_attention_heads"])
             hidden = int(d["hidden_size"])
-            theta, scaling = _hf_rope(d)
-            qwen2 = archs[0] == "Qwen2ForCausalLM"
+            theta, scaling, sliding_theta = _hf_rope_of(d, family)
+            num_layers = int(d["num_hidden_layers"])
+            window, layer_types = _hf_layer_types(d, family, num_layers)
+            bias = bool(d.get("attention_bias", False))
             return cls(
                 architecture=archs[0],
                 vocab_size=int(d["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(d["intermediate_size"]),
-                num_hidden_layers=int(d["num_hidden_layers"]),
+                num_hidden_layers=num_layers,
                 num_attention_heads=num_heads,
                 num_key_value_heads=int(d.get("num_key_value_heads") or num_heads),
                 head_dim=int(d.get("head_dim") or hidden // num_heads),
@@ -90,9 +145,16 @@ class ModelConfig:
                 rope_theta=theta,
                 rope_scaling=scaling,
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                attention_bias=qwen2 or bool(d.get("attention_bias", False)),
-                o_proj_bias=not qwen2 and bool(d.get("attention_bias", False)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", family.gemma_norms)),
+                attention_bias=family.qkv_bias or bias,
+                o_proj_bias=not family.qkv_bias and bias,
+                qk_norm=family.qk_norm,
+                sliding_window=window,
+                layer_types=layer_types,
+                hidden_act=d.get("hidden_activation") or d.get("hidden_act", "silu"),
+                query_pre_attn_scalar=(float(d.get("query_pre_attn_scalar", 256))
+                                       if family.gemma_norms else None),
+                sliding_rope_theta=sliding_theta,
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks the required key {e.args[0]!r}") from None
@@ -107,11 +169,12 @@ class ModelConfig:
         tensor is not read here (the loader turns it into a ``freq_factors`` rope_scaling).
         """
         arch = meta.get("general.architecture")
-        if arch not in GGUF_ARCHITECTURES:
+        if arch not in GGUF_FAMILIES:
             raise ModelLoadError(
                 f"unsupported GGUF architecture {arch!r} "
-                f"(supported: {', '.join(sorted(GGUF_ARCHITECTURES))})"
+                f"(supported: {', '.join(sorted(GGUF_FAMILIES))})"
             )
+        family = GGUF_FAMILIES[arch]
 
         def get(key: str, default: Any = None) -> Any:
             value = meta.get(f"{arch}.{key}", default)
@@ -128,7 +191,7 @@ class ModelConfig:
         if embd_shape is None:
             raise ModelLoadError("GGUF file has no token_embd.weight tensor")
         return cls(
-            architecture=GGUF_ARCHITECTURES[arch],
+            architecture=family.architecture,
             vocab_size=int(meta.get(f"{arch}.vocab_size") or embd_shape[0]),
             hidden_size=hidden,
             intermediate_size=int(get("feed_forward_length")),
@@ -143,6 +206,9 @@ class ModelConfig:
             tie_word_embeddings="output.weight" not in tensor_shapes,
             attention_bias="blk.0.attn_q.bias" in tensor_shapes,
             o_proj_bias="blk.0.attn_output.bias" in tensor_shapes,
+            qk_norm=family.qk_norm,
+            **_gguf_family_fields(meta, arch, family, int(get("block_count")), hidden,
+                                  num_heads),
         )
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -150,11 +216,105 @@ class ModelConfig:
         return (2, num_blocks, block_size, self.num_key_value_heads, self.head_dim)
 
 
+def _family_of(architecture: str) -> ModelFamily:
+    """The family of a Hugging Face architecture name; ModelLoadError naming the supported
+    ones if there is none."""
+    family = FAMILIES.get(architecture)
+    if family is None:
+        raise ModelLoadError(f"unsupported model architecture {architecture!r} "
+                             f"(supported: {', '.join(sorted(FAMILIES))})")
+    return family
+
+
+def _gguf_family_fields(meta: Mapping[str, Any], arch: str, family: ModelFamily,
+                       num_layers: int, hidden: int, num_heads: int) -> dict[str, Any]:
+    """The sliding window and Gemma 3's fields of a GGUF file, as llama.cpp reads them.
+
+    ``{arch}.attention.sliding_window`` sets the window, on the layers
+    ``attention.sliding_window_pattern`` marks (per-layer flags, or a period; default: 6
+    for Gemma 3, every layer for Phi-3, whose window llama.cpp itself ignores and
+    transformers does not). Gemma 3's sliding layers take the rotary base
+    ``rope.freq_base_swa``, and its q . k scale is llama.cpp's: ``hidden / heads`` for the
+    62-layer (27B) model, else the head size (what ``query_pre_attn_scalar`` is for each
+    released size)."""
+    fields: dict[str, Any] = {}
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if window:
+        pattern = meta.get(f"{arch}.attention.sliding_window_pattern",
+                           6 if family.gemma_norms else 0)
+        if isinstance(pattern, list):
+            types = tuple(SLIDING if flag else FULL for flag in pattern)
+        else:  # llama.cpp's: 0 every layer sliding, n the last of every n full
+            pattern = int(pattern)
+            types = tuple(SLIDING if pattern == 0 or i % pattern < pattern - 1 else FULL
+                          for i in range(num_layers))
+        if SLIDING in types:
+            fields.update(sliding_window=int(window), layer_types=types)
+    if family.gemma_norms:
+        head_dim = int(meta.get(f"{arch}.attention.key_length", 256))
+        fields.update(
+            hidden_act="gelu_pytorch_tanh",
+            query_pre_attn_scalar=float(hidden // num_heads if num_layers == 62 else head_dim),
+            sliding_rope_theta=float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0)),
+        )
+    return fields
+
+
+def _hf_rope_of(d: Mapping[str, Any], family: ModelFamily
+                ) -> tuple[float, dict[str, Any] | None, float | None]:
+    """(theta, scaling, sliding layers' theta or None) of ``family``'s config ``d``.
+
+    Gemma 3 gives each layer type its own rotary: transformers 5 nests ``rope_parameters``
+    by layer type, 4.x has ``rope_theta`` (+ ``rope_scaling``) for the full layers and
+    ``rope_local_base_freq`` for the sliding ones."""
+    params = d.get("rope_parameters") or {}
+    partial = float((params.get(FULL) or params).get("partial_rotary_factor",
+                                                     d.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        raise ModelLoadError(f"unsupported config: partial_rotary_factor = {partial}")
+    if not family.gemma_norms:
+        return (*_hf_rope(d), None)
+    if FULL in params:
+        theta, scaling = _hf_rope({"rope_parameters": params[FULL]})
+        sliding_theta, sliding_scaling = _hf_rope({"rope_parameters": params[SLIDING]})
+    else:
+        theta, scaling = _hf_rope({"rope_theta": 1_000_000.0, **d})
+        sliding_theta, sliding_scaling = float(d.get("rope_local_base_freq", 10000.0)), None
+    if sliding_scaling is not None:
+        raise ModelLoadError("unsupported config: rope scaling on the sliding layers")
+    return theta, scaling, sliding_theta
+
+
+def _hf_layer_types(d: Mapping[str, Any], family: ModelFamily,
+                    num_layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding_window, layer_types) as transformers reads them: ``layer_types`` where the
+    config lists them; else every layer (Mistral, Phi-3), Gemma 3's pattern (every
+    ``sliding_window_pattern``-th layer full), or Qwen's (layers from ``max_window_layers``
+    on) where ``use_sliding_window``. A window of None, or switched off by
+    ``use_sliding_window``, makes every layer full."""
+    window = d.get("sliding_window")
+    if window is None or not d.get("use_sliding_window", True):
+        return None, ()
+    window = int(window)
+    if d.get("layer_types"):
+        types = tuple(d["layer_types"])
+    elif family.window_on_every_layer:
+        types = (SLIDING,) * num_layers
+    elif family.gemma_norms:
+        pattern = int(d.get("sliding_window_pattern", 6))
+        types = tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
+    else:
+        first = int(d.get("max_window_layers", num_layers))
+        types = tuple(SLIDING if i >= first else FULL for i in range(num_layers))
+    return (window, types) if SLIDING in types else (None, ())
+
+
 def _hf_rope(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling) from either ``rope_parameters`` (transformers 5) or the older
     ``rope_theta`` + ``rope_scaling`` pair."""
     params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", d.get("rope_theta", 10000.0)))
+    params.pop("partial_rotary_factor", None)  # _hf_rope_of checks it is 1
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if rope_type == "default":
         return theta, None

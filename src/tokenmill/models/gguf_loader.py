@@ -1,9 +1,10 @@
-"""Read a GGUF file: its ModelConfig and its tensors under Hugging Face names.
+"""Read a GGUF file: its ModelConfig and its tensors under Hugging Face names
+(llama.cpp's tensor kinds, with each family's own: ``families.ModelFamily.gguf_layer_names``).
 
 Tensors of every type in ``gguf_blocks.SUPPORTED_TYPES`` load: dequantized to float32
 (``gguf.quants.dequantize``, bit for bit), or, with ``keep_blocks``, each matrix as the
 file's own rows (``gguf_blocks.FileRows``) for a weight format that computes on them
-(``--quantization gguf``). For the llama architecture, llama.cpp's
+(``--quantization gguf``). For the llama architecture (Llama, Mistral), llama.cpp's
 converter interleaves the rows of each head of Q and K (for its "pairs of adjacent dims"
 rotary layout); ``_unpermute_heads`` restores Hugging Face's "rotate half" order::
 
@@ -44,6 +45,8 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -82,9 +85,9 @@ def open_gguf(path: str, keep_blocks: bool = False
         config = dataclasses.replace(
             config, rope_scaling={"rope_type": "freq_factors", "factors": factors}
         )
-    entries = [(*_hf_name(t.name), t) for t in tensors.values()]
-    permute = config.architecture == "LlamaForCausalLM"
-    return config, _weights(path, entries, config, permute, keep_blocks)
+    layer_names = {**_LAYER_NAMES, **dict(config.family.gguf_layer_names)}
+    entries = [(*_hf_name(t.name, layer_names), t) for t in tensors.values()]
+    return config, _weights(path, entries, config, keep_blocks)
 
 
 def _metadata(reader: GGUFReader) -> dict[str, Any]:
@@ -115,11 +118,13 @@ def _dequantized(t: ReaderTensor) -> torch.Tensor:
 
 def _weights(
     path: str, entries: list[tuple[str, str, ReaderTensor]], config: ModelConfig,
-    permute: bool, keep_blocks: bool,
+    keep_blocks: bool,
 ) -> Iterator[tuple[str, torch.Tensor | FileRows]]:
-    """Yields (HF name, float32 tensor or ``FileRows``); ``entries`` are (HF name, GGUF
-    kind, tensor)."""
+    """Yields (HF name, float32 tensor as Hugging Face stores it, or ``FileRows``);
+    ``entries`` are (HF name, GGUF kind, tensor). Gemma 3's converter stores its norms as
+    ``1 + weight``: the 1 is taken back off."""
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    permute, gemma = config.family.gguf_permutes_qk, config.family.gemma_norms
     for name, kind, t in entries:
         try:
             if keep_blocks and len(t.shape) == 2:
@@ -131,18 +136,21 @@ def _weights(
                 weight = _dequantized(t)
                 if permute and kind in heads:
                     weight = _unpermute_heads(weight, heads[kind])
+                elif gemma and name.endswith("norm.weight"):
+                    weight = weight - 1.0
         except (ValueError, RuntimeError) as e:
             raise ModelLoadError(f"corrupt tensor {t.name!r} in {path}: {e}") from None
         yield name, weight
 
 
-def _hf_name(gguf_name: str) -> tuple[str, str]:
-    """``blk.3.attn_k.weight`` -> (``model.layers.3.self_attn.k_proj.weight``, ``attn_k``)."""
+def _hf_name(gguf_name: str, layer_names: dict[str, str]) -> tuple[str, str]:
+    """``blk.3.attn_k.weight`` -> (``model.layers.3.self_attn.k_proj.weight``, ``attn_k``),
+    by ``layer_names`` (``_LAYER_NAMES`` with the family's own)."""
     parts = gguf_name.split(".")
     if len(parts) == 2 and parts[0] in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[parts[0]]}.{parts[1]}", parts[0]
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}", parts[2]
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}", parts[2]
     raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}")
 
 

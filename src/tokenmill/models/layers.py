@@ -1,4 +1,5 @@
-"""Building blocks of a Llama layer: Linear, RMSNorm, rotary embedding, SiLU-gated MLP.
+"""Building blocks of a decoder layer: Linear, RMSNorm, QK-norm, rotary embedding, gated
+MLP (SiLU or tanh-GELU gate).
 
 Parameters are created uninitialised (``torch.empty``): every one of them is overwritten by
 the loader, and skipping random initialisation keeps loading a large model fast.
@@ -175,9 +176,31 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x * cos).add_(swapped * sin)
 
 
+def norm_qk(qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, num_heads: int,
+            num_kv_heads: int) -> torch.Tensor:
+    """``qkv [T, (heads + 2 kv_heads) D]`` with each q head normed by ``q_norm`` and each k
+    head by ``k_norm`` (QK-norm, before rotary); v unchanged. PyTorch's RMSNorm: the heads
+    are strided views of ``qkv``."""
+    num_tokens, head_dim = qkv.shape[0], q_norm.weight.shape[0]
+    q_size, k_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, k_size, k_size], dim=1)
+    q = F.rms_norm(q.view(num_tokens, num_heads, head_dim), (head_dim,), q_norm.weight,
+                   q_norm.eps)
+    k = F.rms_norm(k.view(num_tokens, num_kv_heads, head_dim), (head_dim,), k_norm.weight,
+                   k_norm.eps)
+    return torch.cat((q.view(num_tokens, q_size), k.view(num_tokens, k_size), v), dim=1)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` for ``x = [gate | up]`` (Gemma's gate)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 class GatedMLP(nn.Module):
-    """``residual + down(silu(gate(x)) * up(x))`` with gate and up fused in one ``[2I, H]``
-    projection; the gate by ``ops.silu_and_mul`` (see ``layer_ops``)."""
+    """``residual + down(act(gate(x)) * up(x))`` with gate and up fused in one ``[2I, H]``
+    projection; the gate by ``ops.silu_and_mul`` (see ``layer_ops``), or by
+    ``gelu_tanh_and_mul`` with ``activation="gelu_pytorch_tanh"``."""
 
     def __init__(
         self,
@@ -187,13 +210,18 @@ class GatedMLP(nn.Module):
         device: torch.device,
         ops: LayerOps,
         weight_format: WeightFormat | None = None,
+        activation: str = "silu",
     ):
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, dtype, device,
                                    weight_format)
         self.down_proj = Linear(intermediate_size, hidden_size, False, dtype, device,
                                 weight_format)
-        self._silu_and_mul = ops.silu_and_mul
+        self._act_and_mul = (ops.silu_and_mul if activation == "silu" else gelu_tanh_and_mul)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward_add(self._silu_and_mul(self.gate_up_proj(x)), residual)
+        return self.down_proj.forward_add(self._act_and_mul(self.gate_up_proj(x)), residual)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """``down(act(gate(x)) * up(x))``, no residual (for a norm after the MLP)."""
+        return self.down_proj(self._act_and_mul(self.gate_up_proj(x)))

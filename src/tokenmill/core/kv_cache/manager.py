@@ -9,6 +9,15 @@ Block ``j`` of a request holds the KV values of its positions ``j*bs .. j*bs + b
 Only blocks whose tokens are all computed are entered into the prefix cache. A lookup
 never covers a request's last token: at least one token is always computed, so the
 step that finishes the prompt has logits to sample from.
+
+With a ``window`` (a model whose every layer attends to the last ``window`` positions
+only), ``release_behind_window`` returns to the pool the blocks a request's next tokens
+can no longer see: all their positions are below ``num_computed_tokens - window + 1``.
+Their table entries become ``BEHIND_WINDOW``, a placeholder (block id 0) that keeps
+positions and table indices aligned and that the model never reads::
+
+    block table:    [ BEHIND_WINDOW ][ BEHIND_WINDOW ][ id 3 ][ id 12 ]
+                                        first position visible ^  ^ next token
 """
 
 from __future__ import annotations
@@ -18,17 +27,21 @@ from collections import Counter
 from tokenmill.core.kv_cache.block_pool import BlockPool, KVBlock, hash_block
 from tokenmill.core.request import Request
 
+BEHIND_WINDOW = KVBlock(0)  # a released table entry; never in the pool, never read
+
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, window: int | None = None) -> None:
         if block_size < 1:
             raise ValueError("block_size must be positive")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
         self.pool = BlockPool(num_blocks)
         self._tables: dict[str, list[KVBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks already in the cache
+        self._num_released: dict[str, int] = {}  # leading entries that are BEHIND_WINDOW
 
     @property
     def num_blocks(self) -> int:
@@ -109,9 +122,30 @@ class KVCacheManager:
         num_full = min(request.num_computed_tokens // self.block_size, len(table))
         bs, tokens, hashes = self.block_size, request.all_token_ids, request.block_hashes
         for j in range(done, num_full):
+            if table[j] is BEHIND_WINDOW:
+                continue
             key = (hashes[j - 1] if j else None, tuple(tokens[j * bs:(j + 1) * bs]))
             self.pool.cache(table[j], hashes[j], key)
         self._num_cached_blocks[request.req_id] = max(done, num_full)
+
+    def release_behind_window(self, request: Request) -> None:
+        """Free the blocks the request's next tokens cannot see (see the module docstring;
+        nothing without a window). Call after ``cache_computed_blocks``, so that a full
+        block enters the prefix cache before it leaves the table."""
+        if self.window is None:
+            return
+        table = self._tables.get(request.req_id)
+        if not table:
+            return
+        first_visible = request.num_computed_tokens - self.window + 1
+        end = min(max(first_visible, 0) // self.block_size, len(table))
+        start = self._num_released.get(request.req_id, 0)
+        if end <= start:
+            return
+        behind = table[start:end]
+        table[start:end] = [BEHIND_WINDOW] * (end - start)
+        self._num_released[request.req_id] = end
+        self.pool.free(behind)
 
     def trim(self, request: Request) -> None:
         """Free the blocks past the one that holds the request's last token: they were
@@ -127,13 +161,15 @@ class KVCacheManager:
         """Release the request's blocks; the tail is freed first so it is evicted first."""
         table = self._tables.pop(request.req_id, None)
         self._num_cached_blocks.pop(request.req_id, None)
+        self._num_released.pop(request.req_id, None)
         if table:
-            self.pool.free(list(reversed(table)))
+            self.pool.free([b for b in reversed(table) if b is not BEHIND_WINDOW])
 
     def check_integrity(self) -> None:
         """free + used == total, and every block's ref count equals the tables holding it."""
         self.pool.check_integrity()
-        holders = Counter(b.block_id for table in self._tables.values() for b in table)
+        holders = Counter(b.block_id for table in self._tables.values() for b in table
+                          if b is not BEHIND_WINDOW)
         for block in self.pool.blocks:
             assert block.ref_count == holders.get(block.block_id, 0), (
                 f"block {block.block_id}: ref_count {block.ref_count} != "
