@@ -30,6 +30,7 @@ from tokenmill.models.attention_native import NativeAttention
 from tokenmill.models.attention_sdpa import SdpaAttention
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.gguf_blocks import FileRows
+from tokenmill.models.layer_ops import layer_ops
 from tokenmill.models.layers import Linear
 from tokenmill.models.weight_formats import PackedWeight, WeightFormat
 
@@ -46,16 +47,19 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class PagedCausalLM(nn.Module):
-    """A causal LM over a paged KV cache (one cache tensor per layer). A subclass builds
-    ``self.model`` (``embed_tokens``, ``layers``, ``norm``) after this ``__init__``, each
-    layer ``i`` with the backend ``self.layer_attentions[i]``, and defines ``forward``.
+    """A causal LM over a paged KV cache (one cache tensor per layer). A subclass names its
+    ``model_class``, built here as ``self.model`` (``embed_tokens``, ``layers``, ``norm``:
+    layer ``i`` with the backend ``self.layer_attentions[i]``), and defines ``run_layers``.
 
     Built for its kernels: ``kernels`` (the engine's native ones, None: PyTorch's) fix
     its attention backends, ``weight_format`` (``choose_weight_format``'s; None: plain
     weights) its projections' and output head's format; neither changes afterwards."""
 
+    model_class: type[nn.Module]
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 kernels: NativeKernels | None, weight_format: WeightFormat | None):
+                 kernels: NativeKernels | None = None,
+                 weight_format: WeightFormat | None = None):
         super().__init__()
         self.config = config
         self.layer_attentions = attention_backends(config, dtype, kernels)
@@ -80,10 +84,32 @@ class PagedCausalLM(nn.Module):
             "qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
             "gate_up_proj": [(0, inter), (inter, 2 * inter)],
         }
+        self.model = self.model_class(config, dtype, device, self.layer_attentions,
+                                      layer_ops(kernels), weight_format)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's cache tensor: ``[2, num_blocks, block_size, kv_heads, D]``."""
         return self.config.kv_cache_shape(num_blocks, block_size)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """Hidden states ``[T, H]`` (after the final norm) for the batch's ``T`` new tokens.
+
+        Also writes each layer's new keys/values into ``kv_caches`` at the metadata's slots.
+        """
+        assert len(kv_caches) == len(self.model.layers), "one KV cache tensor per layer"
+        plans = self.layer_plans(attn_metadata, kv_caches[0].shape[1])
+        return self.model.norm(self.run_layers(input_ids, positions, kv_caches, plans))
+
+    def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   kv_caches: list[torch.Tensor], plans: list[AttentionPlan]) -> torch.Tensor:
+        """The hidden states after the last decoder layer, before the final norm."""
+        raise NotImplementedError
 
     def layer_plans(self, attn_metadata: AttentionMetadata,
                     num_cache_blocks: int) -> list[AttentionPlan]:

@@ -25,30 +25,17 @@ from torch import nn
 
 from tokenmill.kernels import NativeKernels
 from tokenmill.models.attention import AttentionBackend, AttentionPlan
-from tokenmill.models.attention_metadata import AttentionMetadata
 from tokenmill.models.causal_lm import PagedCausalLM
 from tokenmill.models.config import FULL, SLIDING, ModelConfig
-from tokenmill.models.layer_ops import TORCH_LAYER_OPS, LayerOps, layer_ops
-from tokenmill.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, norm_qk
+from tokenmill.models.layer_ops import LayerOps
+from tokenmill.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, norm_qk
+from tokenmill.models.llama import LlamaAttention, LlamaModel
 from tokenmill.models.weight_formats import WeightFormat
 
 
-class Gemma3Attention(nn.Module):
-    """``o_proj(attention(qk_norm(qkv_proj(x))))``, no residual (a norm follows)."""
-
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 attention: AttentionBackend, weight_format: WeightFormat | None):
-        super().__init__()
-        q_size = cfg.num_attention_heads * cfg.head_dim
-        kv_size = cfg.num_key_value_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, cfg.attention_bias, dtype,
-                               device, weight_format)
-        self.o_proj = Linear(q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, device,
-                             weight_format)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, TORCH_LAYER_OPS)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, TORCH_LAYER_OPS)
-        self.heads = (cfg.num_attention_heads, cfg.num_key_value_heads)
-        self.attention = attention
+class Gemma3Attention(LlamaAttention):
+    """``o_proj(attention(qk_norm(qkv_proj(x))))``: ``LlamaAttention``'s projections and
+    q/k norms (Gemma 3's config always norms them), without the residual (a norm follows)."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
@@ -78,40 +65,33 @@ class Gemma3DecoderLayer(nn.Module):
         return h + self.post_feedforward_layernorm(mlp)
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(LlamaModel):
+    """``LlamaModel`` with Gemma 3's layers, its embedding scale (``sqrt(hidden)``) and a
+    second rotary table for the sliding layers (``rotary_emb_local``)."""
+
+    decoder_layer = Gemma3DecoderLayer
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  attentions: list[AttentionBackend], ops: LayerOps,
                  weight_format: WeightFormat | None):
-        super().__init__()
-        self.embed_tokens = nn.utils.skip_init(
-            nn.Embedding, cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device
-        )
+        super().__init__(cfg, dtype, device, attentions, ops, weight_format)
         self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size**0.5, dtype=dtype,
                                                          device=device), persistent=False)
-        self.rotary_emb = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
-            dtype, device,
-        )
         self.rotary_emb_local = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings,
             cfg.sliding_rope_theta or cfg.rope_theta, None, dtype, device,
         )
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(cfg, dtype, device, attention, ops, weight_format)
-            for attention in attentions
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops)
 
 
 class Gemma3ForCausalLM(PagedCausalLM):
     """Gemma 3 (text) causal LM over a paged KV cache (see ``PagedCausalLM``)."""
 
+    model_class = Gemma3Model
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  kernels: NativeKernels | None = None,
                  weight_format: WeightFormat | None = None):
         super().__init__(config, dtype, device, kernels, weight_format)
-        self.model = Gemma3Model(config, dtype, device, self.layer_attentions,
-                                 layer_ops(kernels), weight_format)
         self._sliding_layer = [config.layer_window(i) is not None
                                for i in range(config.num_hidden_layers)]
 
@@ -119,19 +99,8 @@ class Gemma3ForCausalLM(PagedCausalLM):
         """Norm weights ``w`` -> ``1 + w`` (computed in float32, as Hugging Face's)."""
         return tensor.float() + 1.0 if name.endswith("norm.weight") else tensor
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        kv_caches: list[torch.Tensor],
-    ) -> torch.Tensor:
-        """Hidden states ``[T, H]`` (after the final norm) for the batch's ``T`` new tokens.
-
-        Also writes each layer's new keys/values into ``kv_caches`` at the metadata's slots.
-        """
-        assert len(kv_caches) == len(self.model.layers), "one KV cache tensor per layer"
-        plans = self.layer_plans(attn_metadata, kv_caches[0].shape[1])
+    def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   kv_caches: list[torch.Tensor], plans: list[AttentionPlan]) -> torch.Tensor:
         rotary = {FULL: self.model.rotary_emb.cos_sin(positions),
                   SLIDING: self.model.rotary_emb_local.cos_sin(positions)}
         h = self.model.embed_tokens(input_ids) * self.model.embed_scale
@@ -139,4 +108,4 @@ class Gemma3ForCausalLM(PagedCausalLM):
                                                   self._sliding_layer, strict=True):
             cos, sin = rotary[SLIDING if sliding else FULL]
             h = layer(h, cos, sin, kv_cache, plan)
-        return self.model.norm(h)
+        return h

@@ -12,19 +12,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.kernels import NativeKernels
 from tokenmill.models.attention import AttentionBackend, AttentionPlan
-from tokenmill.models.attention_metadata import AttentionMetadata
 from tokenmill.models.causal_lm import PagedCausalLM
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.layer_ops import TORCH_LAYER_OPS, LayerOps, layer_ops
+from tokenmill.models.layer_ops import TORCH_LAYER_OPS, LayerOps
 from tokenmill.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, norm_qk
 from tokenmill.models.weight_formats import WeightFormat
 
 
 class LlamaAttention(nn.Module):
     """``residual + o_proj(attention(qkv_proj(x)))``, the attention by the model's
-    ``AttentionBackend`` (shared by the layers of its window)."""
+    ``AttentionBackend`` (shared by the layers of its window); with ``cfg.qk_norm``
+    (Qwen3), q and k are normed per head before rotary."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  attention: AttentionBackend, weight_format: WeightFormat | None):
@@ -36,6 +35,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, device,
                              weight_format)
         self.attention = attention
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:  # PyTorch's RMSNorm over strided heads (see norm_qk): no native op
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, TORCH_LAYER_OPS)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, TORCH_LAYER_OPS)
+            self.heads = (cfg.num_attention_heads, cfg.num_key_value_heads)
 
     def forward(
         self,
@@ -46,31 +50,9 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         plan: AttentionPlan,
     ) -> torch.Tensor:
-        attn = self.attention(self.qkv_proj(x), cos, sin, kv_cache, plan)
-        return self.o_proj.forward_add(attn, residual)
-
-
-class QKNormAttention(LlamaAttention):
-    """``LlamaAttention`` with q and k normed per head before rotary (Qwen3)."""
-
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 attention: AttentionBackend, weight_format: WeightFormat | None):
-        super().__init__(cfg, dtype, device, attention, weight_format)
-        # PyTorch's RMSNorm over strided heads (see norm_qk): no native op needed
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, TORCH_LAYER_OPS)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, TORCH_LAYER_OPS)
-        self.heads = (cfg.num_attention_heads, cfg.num_key_value_heads)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        plan: AttentionPlan,
-    ) -> torch.Tensor:
-        qkv = norm_qk(self.qkv_proj(x), self.q_norm, self.k_norm, *self.heads)
+        qkv = self.qkv_proj(x)
+        if self.qk_norm:
+            qkv = norm_qk(qkv, self.q_norm, self.k_norm, *self.heads)
         return self.o_proj.forward_add(self.attention(qkv, cos, sin, kv_cache, plan), residual)
 
 
@@ -81,8 +63,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, ops)
-        attention_cls = QKNormAttention if cfg.qk_norm else LlamaAttention
-        self.self_attn = attention_cls(cfg, dtype, device, attention, weight_format)
+        self.self_attn = LlamaAttention(cfg, dtype, device, attention, weight_format)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, ops)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, ops,
                             weight_format, cfg.hidden_act)
@@ -100,6 +81,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """Embedding, ``decoder_layer`` per attention backend, final norm."""
+
+    decoder_layer = LlamaDecoderLayer
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  attentions: list[AttentionBackend], ops: LayerOps,
                  weight_format: WeightFormat | None):
@@ -112,7 +97,7 @@ class LlamaModel(nn.Module):
             dtype, device,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, dtype, device, attention, ops, weight_format)
+            self.decoder_layer(cfg, dtype, device, attention, ops, weight_format)
             for attention in attentions
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops)
@@ -122,28 +107,12 @@ class LlamaForCausalLM(PagedCausalLM):
     """Llama / Qwen2 / Qwen3 / Mistral / Phi-3 causal LM over a paged KV cache (see
     ``PagedCausalLM``)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 kernels: NativeKernels | None = None,
-                 weight_format: WeightFormat | None = None):
-        super().__init__(config, dtype, device, kernels, weight_format)
-        self.model = LlamaModel(config, dtype, device, self.layer_attentions,
-                                layer_ops(kernels), weight_format)
+    model_class = LlamaModel
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        kv_caches: list[torch.Tensor],
-    ) -> torch.Tensor:
-        """Hidden states ``[T, H]`` (after the final norm) for the batch's ``T`` new tokens.
-
-        Also writes each layer's new keys/values into ``kv_caches`` at the metadata's slots.
-        """
-        assert len(kv_caches) == len(self.model.layers), "one KV cache tensor per layer"
-        plans = self.layer_plans(attn_metadata, kv_caches[0].shape[1])
+    def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   kv_caches: list[torch.Tensor], plans: list[AttentionPlan]) -> torch.Tensor:
         cos, sin = self.model.rotary_emb.cos_sin(positions)
         h = self.model.embed_tokens(input_ids)
         for layer, kv_cache, plan in zip(self.model.layers, kv_caches, plans, strict=True):
             h = layer(h, cos, sin, kv_cache, plan)
-        return self.model.norm(h)
+        return h

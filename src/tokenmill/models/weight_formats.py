@@ -73,7 +73,10 @@ QUANTIZED_DTYPES = (torch.bfloat16, torch.float32)  # what int8 and int4 compute
 
 class WeightFormat(ABC):
     """One way of storing every projection. Invariant: ``choose_weight_format`` returns a
-    format only where its ``supports`` holds for the model's dtype and kernels."""
+    format only where its ``supports`` holds for the model's dtype and kernels. ``pack``
+    builds the format's ``packed`` class from a weight and its bias."""
+
+    packed: type
 
     @staticmethod
     @abstractmethod
@@ -81,9 +84,9 @@ class WeightFormat(ABC):
         """Whether this CPU runs the format with ``dtype`` activations; ``kernels``: the
         engine's native kernels, None where it uses PyTorch's."""
 
-    @abstractmethod
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight:
         """``weight [out, in]`` and ``bias`` converted into this format."""
+        return self.packed(weight, bias)
 
     def pack_rows(self, weight: torch.Tensor, bias: torch.Tensor | None,
                   rows: list[FileRows]) -> PackedWeight:
@@ -99,89 +102,80 @@ class WeightFormat(ABC):
         return self
 
 
+class KernelWeightFormat(WeightFormat):
+    """A format of the engine's native kernels, whose packed weights take them first."""
+
+    def __init__(self, kernels: NativeKernels) -> None:
+        self.kernels = kernels
+
+    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight:
+        return self.packed(self.kernels, weight, bias)
+
+
 class OneDNNFormat(WeightFormat):
+    packed = OneDNNWeight
+
     @staticmethod
     def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
         return onednn_supports(dtype)
 
-    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight:
-        return OneDNNWeight(weight, bias)
 
-
-class NativeFormat(WeightFormat):
-    def __init__(self, kernels: NativeKernels) -> None:
-        self.kernels = kernels
+class NativeFormat(KernelWeightFormat):
+    packed = NativeWeight
 
     @staticmethod
     def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
         return (kernels is not None and kernels.capabilities.linear(dtype)
                 and not (dtype == torch.bfloat16 and kernels.capabilities.amx))
 
-    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight:
-        return NativeWeight(self.kernels, weight, bias)
-
 
 class Int8Format(WeightFormat):
+    packed = Int8Weight
+
     @staticmethod
     def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
         return dtype in QUANTIZED_DTYPES
 
-    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight:
-        return Int8Weight(weight, bias)
 
-
-class NativeInt8Format(WeightFormat):
-    def __init__(self, kernels: NativeKernels) -> None:
-        self.kernels = kernels
+class NativeInt8Format(KernelWeightFormat):
+    packed = NativeInt8Weight
 
     @staticmethod
     def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
         return kernels is not None and kernels.capabilities.linear(dtype)
 
-    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight:
-        return NativeInt8Weight(self.kernels, weight, bias)
-
 
 class Int4Format(WeightFormat):
+    packed = Int4Weight
+
     @staticmethod
     def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
         return dtype in QUANTIZED_DTYPES
-
-    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight:
-        return Int4Weight(weight, bias)
 
     @property
     def head(self) -> WeightFormat:
         return Int8Format()
 
 
-class NativeInt4Format(WeightFormat):
-    def __init__(self, kernels: NativeKernels) -> None:
-        self.kernels = kernels
+class NativeInt4Format(KernelWeightFormat):
+    packed = NativeInt4Weight
 
     @staticmethod
     def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
         return kernels is not None and kernels.capabilities.linear(dtype)
-
-    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight:
-        return NativeInt4Weight(self.kernels, weight, bias)
 
     @property
     def head(self) -> WeightFormat:
         return NativeInt8Format(self.kernels)
 
 
-class NativeW4A8Format(WeightFormat):
-    def __init__(self, kernels: NativeKernels) -> None:
-        self.kernels = kernels
+class NativeW4A8Format(KernelWeightFormat):
+    packed = NativeW4A8Weight
 
     @staticmethod
     def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
         return (dtype == torch.float32 and kernels is not None
                 and kernels.capabilities.w4a8_linear)
-
-    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight:
-        return NativeW4A8Weight(self.kernels, weight, bias)
 
     @property
     def head(self) -> WeightFormat:
