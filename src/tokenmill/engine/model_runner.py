@@ -10,6 +10,13 @@ The flat batch lays the scheduled requests' new tokens end to end::
     positions:  | start_pos ..  | start_pos ..  | ... |
     logits are taken at the last token of every request scheduled with ``sample``, and
     at each of its draft tokens' positions before (see spec_decode.py).
+
+Invariant: a position's arithmetic depends on what it is, never on the schedule. Prompt
+positions take the prefill attention (whatever the chunk boundaries; every row over its
+own keys), output positions the decode attention, one row each, whether decoded, verified
+as a draft or recomputed after preemption (``AttentionMetadata.prefill_lens``); the
+projections compute each row alone (``weight_formats``). So a request's tokens are the
+same in any batch and with or without speculation.
 """
 
 from __future__ import annotations
@@ -66,7 +73,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         query_start_loc = [0]
-        query_lens, seq_lens, sample_rows = [], [], []
+        query_lens, seq_lens, prefill_lens, sample_rows = [], [], [], []
         max_blocks = max(len(item.block_ids) for item in requests)
         tables = []
         for item in requests:
@@ -79,6 +86,8 @@ class ModelRunner:
             query_start_loc.append(query_start_loc[-1] + n)
             query_lens.append(n)
             seq_lens.append(item.start_pos + n)
+            # prompt positions to the prefill attention, output positions to the decode one
+            prefill_lens.append(min(max(len(item.prompt_token_ids) - item.start_pos, 0), n))
             tables.append(list(blocks) + [0] * (max_blocks - len(blocks)))
             if item.sample:
                 sample_rows.append((query_start_loc[-1] - 1 - len(item.draft_token_ids), item))
@@ -90,6 +99,7 @@ class ModelRunner:
             seq_lens=seq_lens,
             block_tables=torch.tensor(tables, dtype=torch.int64, device=device),
             block_size=bs,
+            prefill_lens=prefill_lens,
         )
         return (torch.tensor(input_ids, dtype=torch.int64, device=device),
                 torch.tensor(positions, dtype=torch.int64, device=device), metadata, sample_rows)

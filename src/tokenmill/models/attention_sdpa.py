@@ -75,8 +75,7 @@ class SdpaPrefill:
         return [self._plan_seq(md, i, num_cache_blocks) for i in rows]
 
     def _plan_seq(self, md: AttentionMetadata, i: int, num_cache_blocks: int) -> PrefillSeq:
-        start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
-        seq_len = md.seq_lens[i]
+        start, end, seq_len = md.prefill_span(i)
         ctx = seq_len - (end - start)
         if ctx == 0:
             return PrefillSeq(start, end, seq_len, None, None)
