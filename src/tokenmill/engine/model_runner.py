@@ -11,12 +11,16 @@ The flat batch lays the scheduled requests' new tokens end to end::
     logits are taken at the last token of every request scheduled with ``sample``, and
     at each of its draft tokens' positions before (see spec_decode.py).
 
-Invariant: a position's arithmetic depends on what it is, never on the schedule. Prompt
-positions take the prefill attention (whatever the chunk boundaries; every row over its
-own keys), output positions the decode attention, one row each, whether decoded, verified
-as a draft or recomputed after preemption (``AttentionMetadata.prefill_lens``); the
-projections compute each row alone (``weight_formats``). So a request's tokens are the
-same in any batch and with or without speculation.
+Invariant: a position's arithmetic depends on what it is, not on what else the step
+holds. Prompt positions take the prefill attention; output positions the decode attention,
+one row each, whether decoded, verified as a draft or recomputed after preemption
+(``AttentionMetadata.prefill_lens``); the projections compute each row alone at a decode
+or verify step's sizes (``weight_formats``). So a request's tokens are the same alone, in
+any batch of decodes and with or without speculation. With ``batch_invariant`` the
+projections are native (each row alone at every size) and, where the prefill attention is
+not row-invariant (``PrefillAttention.row_invariant``), prompt positions take the decode
+attention too: then also at any chunk boundary, with prefix-cache hits and after
+preemption (``docs/speculative.md``).
 """
 
 from __future__ import annotations
@@ -35,12 +39,15 @@ from tokenmill.models.attention_metadata import AttentionMetadata
 
 class ModelRunner:
     """``kernels``: the engine's native kernels (the model's, which its sampler uses
-    too), or None for PyTorch's ops."""
+    too), or None for PyTorch's ops; ``batch_invariant``: prompt positions too take the
+    decode attention where the model's prefill attention is not row-invariant."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
                  num_kv_blocks: int, block_size: int, seed: int = 0,
-                 kernels: NativeKernels | None = None) -> None:
+                 kernels: NativeKernels | None = None, batch_invariant: bool = False) -> None:
         self.model = model
+        self.prompts_by_prefill = (not batch_invariant
+                                   or model.attention.prefill.row_invariant)
         self.device = device
         self.block_size = block_size
         shape = model.kv_cache_shape(num_kv_blocks, block_size)
@@ -87,7 +94,8 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(item.start_pos + n)
             # prompt positions to the prefill attention, output positions to the decode one
-            prefill_lens.append(min(max(len(item.prompt_token_ids) - item.start_pos, 0), n))
+            prompt_left = len(item.prompt_token_ids) - item.start_pos
+            prefill_lens.append(min(max(prompt_left, 0), n) if self.prompts_by_prefill else 0)
             tables.append(list(blocks) + [0] * (max_blocks - len(blocks)))
             if item.sample:
                 sample_rows.append((query_start_loc[-1] - 1 - len(item.draft_token_ids), item))

@@ -81,6 +81,9 @@ class DecodeAttention(Protocol[D]):
 
 class PrefillAttention(Protocol[P]):
     reads_new_kv: bool  # whether it reads the new keys and values from ``k, v``
+    # whether each token's result is the same whatever the chunk it is computed in (its
+    # own keys only, in one order), so prompts may be chunked at any boundary
+    row_invariant: bool
 
     def plan(self, md: AttentionMetadata, rows: list[int], num_cache_blocks: int) -> P:
         """The sub-plan of the prefill sequences, ``rows`` of ``md``."""

@@ -50,6 +50,7 @@ class NativePrefill:
     """Every prefill sequence in one ``paged_prefill_attention`` call."""
 
     reads_new_kv = False  # the kernel reads them from the cache
+    row_invariant = True  # each query's keys in tiles from key 0, its values in key order
 
     def __init__(self, kernels: NativeKernels, dtype: torch.dtype, head_dim: int) -> None:
         self._attention = kernels.prefill_attention(dtype, head_dim)

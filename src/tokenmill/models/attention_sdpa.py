@@ -66,6 +66,7 @@ class SdpaPrefill:
     """One causal SDPA call per prefill sequence."""
 
     reads_new_kv = True  # a sequence with no earlier context attends over them directly
+    row_invariant = False  # PyTorch's kernels choose their blocking by the chunk's size
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype  # the masks'
