@@ -25,10 +25,10 @@ and accuracy costs):
   The output head keeps 8 bits (native int8 where the CPU has the float32 kernels).
 - None: plain ``F.linear`` (CUDA, or no packed form for this dtype here).
 
-Every format computes each row of a call alone at a decode or verify step's sizes, so a
-token gets the same bits alone, in a batch or among speculative drafts. Only the native
-formats promise it at every size (a prefill's too): ``batch_invariant`` takes them alone,
-and raises where the host has none for the dtype.
+Every packed format computes each row of a call alone at a decode or verify step's sizes
+(tested), so a token gets the same bits alone, in a batch or among speculative drafts.
+Only the native formats promise it at every size (a prefill's too): ``batch_invariant``
+takes them alone, and raises where the host has none for the dtype.
 """
 
 from __future__ import annotations
