@@ -107,6 +107,12 @@ class EngineConfig:
     ngram_max: int = option(4, "longest run of last tokens a draft lookup tries first")
     speculative_disable_by_batch_size: int = option(
         4, "no drafts in a step while more than this many requests run")
+    batch_invariant: bool = option(
+        False, "compute every token the same whatever the schedule (batch mates, chunked "
+        "prefill, prefix-cache hits, preemption; speculation never changes it): the native "
+        "linear kernels even where oneDNN's AMX ones prefill faster, and the decode attention "
+        "for prompts where the prefill attention is PyTorch's (CPU with the native kernels "
+        "of the dtype)")
     structured_output_compile_timeout: float = option(
         10.0, "seconds a grammar (structured output, tool call) may take to compile in the "
         "engine, off its step; beyond that its request ends with an error")

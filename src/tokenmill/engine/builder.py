@@ -39,11 +39,11 @@ def build_engine(config: EngineConfig) -> Engine:
     dtype = resolve_dtype(config.dtype, device, config.quantization)
     kernels = choose_kernels(config.kernels, device)
     model, model_config = load_model(config.model, dtype, device, config.quantization,
-                                     kernels)
+                                     kernels, config.batch_invariant)
     max_model_len = _max_model_len(config, model_config)
     num_blocks = _num_kv_blocks(config, model_config, dtype, max_model_len)
     runner = ModelRunner(model, device, dtype, num_blocks, config.block_size, seed=config.seed,
-                         kernels=kernels)
+                         kernels=kernels, batch_invariant=config.batch_invariant)
     core = EngineCore(config, runner, num_blocks, max_model_len, model_config.kv_window)
     logger.info("model %s on %s (%s, quantization %s, kernels %s): %d KV blocks of %d "
                 "tokens, max_model_len %d", model_name_for(config.model), device,

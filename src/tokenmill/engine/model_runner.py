@@ -10,6 +10,17 @@ The flat batch lays the scheduled requests' new tokens end to end::
     positions:  | start_pos ..  | start_pos ..  | ... |
     logits are taken at the last token of every request scheduled with ``sample``, and
     at each of its draft tokens' positions before (see spec_decode.py).
+
+Invariant: a position's arithmetic depends on what it is, not on what else the step
+holds. Prompt positions take the prefill attention; output positions the decode attention,
+one row each, whether decoded, verified as a draft or recomputed after preemption
+(``AttentionMetadata.prefill_lens``); the projections compute each row alone at a decode
+or verify step's sizes (``weight_formats``). So a request's tokens are the same alone, in
+any batch of decodes and with or without speculation. With ``batch_invariant`` the
+projections are native (each row alone at every size) and, where the prefill attention is
+not row-invariant (``PrefillAttention.row_invariant``), prompt positions take the decode
+attention too: then also at any chunk boundary, with prefix-cache hits and after
+preemption (``docs/speculative.md``).
 """
 
 from __future__ import annotations
@@ -28,12 +39,15 @@ from tokenmill.models.attention_metadata import AttentionMetadata
 
 class ModelRunner:
     """``kernels``: the engine's native kernels (the model's, which its sampler uses
-    too), or None for PyTorch's ops."""
+    too), or None for PyTorch's ops; ``batch_invariant``: prompt positions too take the
+    decode attention where the model's prefill attention is not row-invariant."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
                  num_kv_blocks: int, block_size: int, seed: int = 0,
-                 kernels: NativeKernels | None = None) -> None:
+                 kernels: NativeKernels | None = None, batch_invariant: bool = False) -> None:
         self.model = model
+        self.prompts_by_prefill = (not batch_invariant
+                                   or model.attention.prefill.row_invariant)
         self.device = device
         self.block_size = block_size
         shape = model.kv_cache_shape(num_kv_blocks, block_size)
@@ -66,7 +80,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         query_start_loc = [0]
-        query_lens, seq_lens, sample_rows = [], [], []
+        query_lens, seq_lens, prefill_lens, sample_rows = [], [], [], []
         max_blocks = max(len(item.block_ids) for item in requests)
         tables = []
         for item in requests:
@@ -79,6 +93,9 @@ class ModelRunner:
             query_start_loc.append(query_start_loc[-1] + n)
             query_lens.append(n)
             seq_lens.append(item.start_pos + n)
+            # prompt positions to the prefill attention, output positions to the decode one
+            prompt_left = len(item.prompt_token_ids) - item.start_pos
+            prefill_lens.append(min(max(prompt_left, 0), n) if self.prompts_by_prefill else 0)
             tables.append(list(blocks) + [0] * (max_blocks - len(blocks)))
             if item.sample:
                 sample_rows.append((query_start_loc[-1] - 1 - len(item.draft_token_ids), item))
@@ -90,6 +107,7 @@ class ModelRunner:
             seq_lens=seq_lens,
             block_tables=torch.tensor(tables, dtype=torch.int64, device=device),
             block_size=bs,
+            prefill_lens=prefill_lens,
         )
         return (torch.tensor(input_ids, dtype=torch.int64, device=device),
                 torch.tensor(positions, dtype=torch.int64, device=device), metadata, sample_rows)

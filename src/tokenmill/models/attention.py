@@ -4,11 +4,14 @@ A model builds one ``AttentionBackend`` and hands it to every layer: ``SdpaAtten
 (``attention_sdpa``: PyTorch's ops) or ``NativeAttention`` (``attention_native``: the
 engine's kernels). ``backend.plan`` turns an ``AttentionMetadata`` into the index tensors
 every layer needs; it runs once per forward pass, so layers never touch host lists or sync
-with the device. Sequences split into two groups, each computed by the backend's decode
-or prefill attention over its own sub-plan:
+with the device. New tokens split into two groups, each computed by the backend's decode
+or prefill attention over its own sub-plan, as ``AttentionMetadata.prefill_lens`` says:
 
-- *decode* sequences (one new token): all of them go through ONE call. The native kernel
-  reads the blocks in place, each sequence over its own length. SDPA takes them padded:
+- *decode* rows (a decoded token, a speculative draft being verified, an output being
+  recomputed; by default a sequence's one new token): all of them go through ONE call,
+  each over its own context, so a token computed in a row of several of one sequence
+  gets the very bits it would get decoded alone. The native kernel
+  reads the blocks in place, each row over its own length. SDPA takes them padded:
   the blocks are gathered into ``[Bd, L, kv_heads, D]`` with ``L`` the longest context,
   and a length mask hides each row's padding::
 
@@ -16,7 +19,8 @@ or prefill attention over its own sub-plan:
 
   GQA without copying K/V: the ``G = heads / kv_heads`` query heads that share one KV head
   become G query rows of that head, ``q[Bd, kv_heads, G, D]`` against ``k[Bd, kv_heads, L, D]``.
-- *prefill* sequences (several new tokens, a prompt or a chunk of one): the native kernel
+- *prefill* sequences (the first ``prefill_lens`` new tokens: a prompt or a chunk of
+  one; by default a sequence's several new tokens): the native kernel
   (bfloat16 on AVX512-BF16, heads of 64 or 128) takes all of them in ONE call over the
   blocks in place; SDPA one call each. Causal with an offset: new token ``i`` (position
   ``ctx + i``) sees keys ``0 .. ctx + i``::
@@ -60,7 +64,8 @@ class AttentionPlan(Generic[D, P]):
     """Per-forward index tensors shared by every layer (see the module docstring)."""
 
     slot_mapping: torch.Tensor  # [T]: where each new token's key and value go
-    # [Bd] flat indices of the decode tokens; None where all tokens are decodes, or none is
+    # [Bd] flat indices of the decode rows' tokens; None where every token is one, in flat
+    # order, or none is
     decode_token_idx: torch.Tensor | None
     decode: D | None  # the decode attention's sub-plan; None: no decode sequence
     prefill: P | None  # the prefill attention's sub-plan; None: no prefill sequence
@@ -82,6 +87,9 @@ class DecodeAttention(Protocol[D]):
 
 class PrefillAttention(Protocol[P]):
     reads_new_kv: bool  # whether it reads the new keys and values from ``k, v``
+    # whether each token's result is the same whatever the chunk it is computed in (its
+    # own keys only, in one order), so prompts may be chunked at any boundary
+    row_invariant: bool
 
     def plan(self, md: AttentionMetadata, rows: list[int], num_cache_blocks: int) -> P:
         """The sub-plan of the prefill sequences, ``rows`` of ``md``."""
@@ -121,21 +129,32 @@ class AttentionBackend(ABC, Generic[D, P]):
 
     def plan(self, md: AttentionMetadata, num_cache_blocks: int) -> AttentionPlan[D, P]:
         """The plan of one forward pass; ``num_cache_blocks``: the blocks of each layer's
-        cache tensor."""
-        decode_rows = [i for i, q in enumerate(md.query_lens) if q == 1]
-        prefill_rows = [i for i, q in enumerate(md.query_lens) if q > 1]
+        cache tensor. Each token the metadata gives the decode attention is one decode row
+        over its own context (``AttentionMetadata.prefill_lens``)."""
+        seqs: list[int] = []  # per decode row: its sequence, flat token and context length
+        tokens: list[int] = []
+        lens: list[int] = []
+        prefill_rows = []
+        for i, (start, q_len, seq_len) in enumerate(
+                zip(md.query_start_loc, md.query_lens, md.seq_lens, strict=False)):
+            first = md.num_prefill_tokens(i)
+            if first:
+                prefill_rows.append(i)
+            for j in range(first, q_len):
+                seqs.append(i)
+                tokens.append(start + j)
+                lens.append(seq_len - q_len + j + 1)
         decode = decode_idx = None
-        if decode_rows:
-            lens = [md.seq_lens[i] for i in decode_rows]
+        if seqs:
             nb = -(-max(lens) // md.block_size)
-            if len(decode_rows) == md.num_seqs:
-                tables = md.block_tables[:, :nb]
+            if seqs == list(range(md.num_seqs)) and len(seqs) == md.query_start_loc[-1]:
+                tables = md.block_tables[:, :nb]  # one decode per sequence, nothing else
             else:
                 device = md.slot_mapping.device
-                rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
-                tables = md.block_tables[rows, :nb]
-                decode_idx = torch.tensor([md.query_start_loc[i] for i in decode_rows],
-                                          dtype=torch.long, device=device)
+                tables = md.block_tables[torch.tensor(seqs, dtype=torch.long, device=device),
+                                         :nb]
+                if prefill_rows:  # else every token is a decode row, in flat order
+                    decode_idx = torch.tensor(tokens, dtype=torch.long, device=device)
             decode = self._plan_decode(tables, lens, md.block_size, num_cache_blocks)
         prefill = (self.prefill.plan(md, prefill_rows, num_cache_blocks) if prefill_rows
                    else None)

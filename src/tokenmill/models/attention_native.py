@@ -52,6 +52,7 @@ class NativePrefill:
     """Every prefill sequence in one ``paged_prefill_attention`` call."""
 
     reads_new_kv = False  # the kernel reads them from the cache
+    row_invariant = True  # each query's keys in tiles from key 0, its values in key order
 
     def __init__(self, kernels: NativeKernels, dtype: torch.dtype, head_dim: int) -> None:
         self._attention = kernels.prefill_attention(dtype, head_dim)
@@ -60,13 +61,13 @@ class NativePrefill:
              num_cache_blocks: int) -> NativePrefillPlan:
         device = md.slot_mapping.device
         index = torch.tensor(rows, dtype=torch.long, device=device)
-        nb = -(-max(md.seq_lens[i] for i in rows) // md.block_size)
+        spans = [md.prefill_span(i) for i in rows]
+        nb = -(-max(seq_len for _, _, seq_len in spans) // md.block_size)
         return NativePrefillPlan(
             block_tables=md.block_tables[index, :nb].to(torch.int32),
-            query_ranges=torch.tensor(
-                [(md.query_start_loc[i], md.query_start_loc[i + 1]) for i in rows],
-                dtype=torch.int32, device=device),
-            seq_lens=torch.tensor([md.seq_lens[i] for i in rows], dtype=torch.int32,
+            query_ranges=torch.tensor([(start, end) for start, end, _ in spans],
+                                      dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([seq_len for _, _, seq_len in spans], dtype=torch.int32,
                                   device=device),
         )
 

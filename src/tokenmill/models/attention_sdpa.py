@@ -76,6 +76,7 @@ class SdpaPrefill:
     query's window holds (see ``attention``)."""
 
     reads_new_kv = True  # a sequence with no earlier context attends over them directly
+    row_invariant = False  # PyTorch's kernels choose their blocking by the chunk's size
 
     def __init__(self, dtype: torch.dtype, window: int | None = None) -> None:
         self.dtype = dtype  # the masks'
@@ -86,8 +87,7 @@ class SdpaPrefill:
         return [self._plan_seq(md, i, num_cache_blocks) for i in rows]
 
     def _plan_seq(self, md: AttentionMetadata, i: int, num_cache_blocks: int) -> PrefillSeq:
-        start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
-        seq_len = md.seq_lens[i]
+        start, end, seq_len = md.prefill_span(i)
         ctx = seq_len - (end - start)
         window = self.window if self.window is not None and seq_len > self.window else None
         if ctx == 0 and window is None:

@@ -33,15 +33,16 @@ from tokenmill.models.weight_formats import choose_weight_format
 
 def load_model(
     path: str | None, dtype: torch.dtype, device: torch.device, quantization: str = "none",
-    kernels: NativeKernels | None = None,
+    kernels: NativeKernels | None = None, batch_invariant: bool = False,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model for ``path`` on ``device`` in ``dtype``, weights loaded, eval mode,
     its projections in the weight format ``weight_formats.choose_weight_format`` picks, and
-    computing with the native kernels ``kernels`` (``tokenmill.kernels``; None: PyTorch's).
+    computing with the native kernels ``kernels`` (``tokenmill.kernels``; None: PyTorch's);
+    ``batch_invariant``: native weight formats only.
 
     Raises ``InvalidParameterError`` (before reading any weight) for a ``quantization``
     this device or dtype cannot run."""
-    weight_format = choose_weight_format(dtype, device, quantization, kernels)
+    weight_format = choose_weight_format(dtype, device, quantization, kernels, batch_invariant)
     path = default_model_path() if path is None else path
     if not os.path.exists(path):
         raise ModelLoadError(f"model path not found: {path}")

@@ -17,17 +17,27 @@ from tokenmill.kernels.quantize import quantize_int8_rows
 
 class OneDNNWeight:
     """oneDNN's blocked layout (float32, bfloat16 or float16): one product and sum per
-    output in the dtype, as ``F.linear``."""
+    output in the dtype, as ``F.linear``.
+
+    Invariant: a row's result does not depend on how many rows the call has (tested for
+    decode and verify sizes), so a token gets the same bits alone or in a batch. oneDNN's
+    float32 and float16 single-row path (a GEMV) sums in another order than its multi-row
+    one, so there a single row is computed as the first of two; its bfloat16 paths agree."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)  # tuned for batch 1
         self.bias = bias
+        self.pad_single_row = weight.dtype != torch.bfloat16
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pad_single_row and x.shape[0] == 1:
+            return self(x.expand(2, -1))[:1]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """One oneDNN call, one rounding of the sum."""
+        if self.pad_single_row and x.shape[0] == 1:
+            return self.add(x.expand(2, -1), residual.expand(2, -1))[:1]
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias,
                                                          "add")
 

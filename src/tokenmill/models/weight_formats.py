@@ -29,6 +29,11 @@ and accuracy costs):
   the rows of other types in the format ``none`` gives them (their values in the dtype:
   exact in float32).
 - None: plain ``F.linear`` (CUDA, or no packed form for this dtype here).
+
+Every packed format computes each row of a call alone at a decode or verify step's sizes
+(tested), so a token gets the same bits alone, in a batch or among speculative drafts.
+Only the native formats promise it at every size (a prefill's too): ``batch_invariant``
+takes them alone, and raises where the host has none for the dtype.
 """
 
 from __future__ import annotations
@@ -127,6 +132,11 @@ class NativeFormat(KernelWeightFormat):
     def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
         return (kernels is not None and kernels.capabilities.linear(dtype)
                 and not (dtype == torch.bfloat16 and kernels.capabilities.amx))
+
+    @staticmethod
+    def row_invariant(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
+        """Whether the native kernel takes ``dtype``, AMX or not (``batch_invariant``)."""
+        return kernels is not None and kernels.capabilities.linear(dtype)
 
 
 class Int8Format(WeightFormat):
@@ -240,12 +250,17 @@ _QUANTIZED = {"int8": (NativeInt8Format, Int8Format), "int4": (NativeInt4Format,
 
 
 def choose_weight_format(dtype: torch.dtype, device: torch.device, quantization: str = "none",
-                         kernels: NativeKernels | None = None) -> WeightFormat | None:
+                         kernels: NativeKernels | None = None,
+                         batch_invariant: bool = False) -> WeightFormat | None:
     """The format every projection takes after loading; None keeps plain weights.
-    ``kernels``: the engine's native kernels, None where it uses PyTorch's.
+    ``kernels``: the engine's native kernels, None where it uses PyTorch's;
+    ``batch_invariant``: native formats only (see the module docstring).
 
-    Raises ``InvalidParameterError`` for a quantization this device or dtype cannot run.
+    Raises ``InvalidParameterError`` for a quantization this device or dtype cannot run,
+    and with ``batch_invariant`` where no native format takes the dtype.
     """
+    if batch_invariant:
+        return _native_format(dtype, device, quantization, kernels)
     if quantization == "none":
         if device.type != "cpu":
             return None
@@ -280,3 +295,20 @@ def choose_weight_format(dtype: torch.dtype, device: torch.device, quantization:
             f"--quantization {quantization} computes in bfloat16 or float32: use --dtype "
             "auto, bfloat16 or float32", "quantization")
     return native(kernels) if native.supports(dtype, kernels) else portable()
+
+
+def _native_format(dtype: torch.dtype, device: torch.device, quantization: str,
+                   kernels: NativeKernels | None) -> WeightFormat:
+    """The native format of ``quantization`` (its head native too), for ``batch_invariant``."""
+    formats = {"none": (NativeFormat.row_invariant, NativeFormat),
+               "int8": (NativeInt8Format.supports, NativeInt8Format),
+               "int4": (NativeInt4Format.supports, NativeInt4Format),
+               "w4a8": (NativeW4A8Format.supports, NativeW4A8Format)}
+    supports, native = formats[quantization]
+    if (device.type == "cpu" and supports(dtype, kernels)
+            and (quantization != "w4a8" or NativeInt8Format.supports(dtype, kernels))):
+        return native(kernels)
+    raise InvalidParameterError(
+        f"--batch-invariant needs the native linear kernels for {str(dtype).removeprefix('torch.')}"
+        f" (quantization {quantization}): bfloat16 on a CPU with AVX512-BF16, float32 on one "
+        "with AVX2 and FMA but no AVX-512, and kernels auto or native", "batch_invariant")

@@ -10,9 +10,14 @@ The free queue's order *is* the eviction order: allocation takes from its head (
 recently freed first), freeing appends to its tail. A cached-free block that is hit
 again leaves the queue wherever it is (O(1), the queue is an ordered dict).
 
-A full block's key is ``(parent_hash, token_ids)`` and its hash is ``hash(key)``, chained
-over all blocks before it; a lookup by hash is confirmed against the stored key, so a
-hash collision can never serve wrong KV values.
+A full block's key is ``(parent_hash, token_ids, prompt_positions)`` and its hash is
+``hash(key)``, chained over all blocks before it. ``prompt_positions`` (how many of the
+block's positions are its request's prompt, the others being output) is part of the key
+because the two kinds of position are computed by different attention kernels (see
+``AttentionMetadata.prefill_lens``): a hit serves the very bits the block would get
+computed, so a request's tokens are the same with or without prefix-cache hits; a lookup
+by hash is confirmed against the stored key, so a hash collision can never serve wrong KV
+values.
 """
 
 from __future__ import annotations
@@ -20,11 +25,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-BlockKey = tuple[int | None, tuple[int, ...]]
+BlockKey = tuple[int | None, tuple[int, ...], int]
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent_hash, token_ids))
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...],
+               prompt_positions: int) -> int:
+    return hash((parent_hash, token_ids, prompt_positions))
 
 
 @dataclass(slots=True)

@@ -4,7 +4,8 @@ Block ``j`` of a request holds the KV values of its positions ``j*bs .. j*bs + b
 
     all_token_ids:  [ b0: 0..bs-1 ][ b1: bs..2bs-1 ][ b2: partial ]
     block table:    [   id 7      ][    id 3       ][   id 12     ]
-    block_hashes:   [ h0=H(None,b0)][ h1=H(h0,b1)  ]   (full blocks only)
+    block_hashes:   [ h0=H(None,b0)][ h1=H(h0,b1)  ]   (full blocks only; H also takes
+                                                        how many positions are prompt)
 
 Only blocks whose tokens are all computed are entered into the prefix cache. A lookup
 never covers a request's last token: at least one token is always computed, so the
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from tokenmill.core.kv_cache.block_pool import BlockPool, KVBlock, hash_block
+from tokenmill.core.kv_cache.block_pool import BlockKey, BlockPool, KVBlock, hash_block
 from tokenmill.core.request import Request
 
 BEHIND_WINDOW = KVBlock(0)  # a released table entry; never in the pool, never read
@@ -59,11 +60,17 @@ class KVCacheManager:
         return tuple(b.block_id for b in self._tables.get(req_id, ()))
 
     def _update_block_hashes(self, request: Request) -> None:
-        bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
-        while (len(hashes) + 1) * bs <= len(tokens):
-            j = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tuple(tokens[j * bs:(j + 1) * bs])))
+        hashes, tokens = request.block_hashes, request.all_token_ids
+        while (len(hashes) + 1) * self.block_size <= len(tokens):
+            hashes.append(hash_block(*self._block_key(request, len(hashes))))
+
+    def _block_key(self, request: Request, j: int) -> BlockKey:
+        """Full block ``j``'s prefix-cache key (``block_pool``): its parent's hash, its
+        tokens, and how many of its positions are prompt."""
+        bs = self.block_size
+        parent = request.block_hashes[j - 1] if j else None
+        prompt_positions = min(max(request.num_prompt_tokens - j * bs, 0), bs)
+        return parent, tuple(request.all_token_ids[j * bs:(j + 1) * bs]), prompt_positions
 
     def find_cached_blocks(self, request: Request) -> list[KVBlock]:
         """The longest run of leading full blocks of ``request`` present in the cache."""
@@ -71,10 +78,9 @@ class KVCacheManager:
             return []
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        bs, tokens, found = self.block_size, request.all_token_ids, []
+        found = []
         for j, block_hash in enumerate(request.block_hashes[:max_blocks]):
-            parent = request.block_hashes[j - 1] if j else None
-            block = self.pool.lookup(block_hash, (parent, tuple(tokens[j * bs:(j + 1) * bs])))
+            block = self.pool.lookup(block_hash, self._block_key(request, j))
             if block is None:
                 break
             found.append(block)
@@ -120,12 +126,10 @@ class KVCacheManager:
         self._update_block_hashes(request)
         done = self._num_cached_blocks.get(request.req_id, 0)
         num_full = min(request.num_computed_tokens // self.block_size, len(table))
-        bs, tokens, hashes = self.block_size, request.all_token_ids, request.block_hashes
         for j in range(done, num_full):
             if table[j] is BEHIND_WINDOW:
                 continue
-            key = (hashes[j - 1] if j else None, tuple(tokens[j * bs:(j + 1) * bs]))
-            self.pool.cache(table[j], hashes[j], key)
+            self.pool.cache(table[j], request.block_hashes[j], self._block_key(request, j))
         self._num_cached_blocks[request.req_id] = max(done, num_full)
 
     def release_behind_window(self, request: Request) -> None:

@@ -1,0 +1,93 @@
+"""Each row of a projection is computed alone: its bits do not depend on how many rows the
+call has. Every format keeps this at a decode or verify step's sizes (what makes
+speculation and batching exact); the native formats at every size, which is why
+``batch_invariant`` takes them alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.errors import InvalidParameterError
+from tokenmill.kernels.linear import (
+    NativeInt4Weight,
+    NativeInt8Weight,
+    NativeW4A8Weight,
+    NativeWeight,
+)
+from tokenmill.models.torch_weights import Int4Weight, Int8Weight, OneDNNWeight, onednn_supports
+from tokenmill.models.weight_formats import (
+    NativeFormat,
+    NativeInt4Format,
+    NativeInt8Format,
+    NativeW4A8Format,
+    choose_weight_format,
+)
+
+CPU = torch.device("cpu")
+DECODE_SIZES = (1, 2, 3, 5, 8, 16, 17)
+PREFILL_SIZES = (64, 130, 300)
+
+
+def formats(native) -> list[tuple[str, torch.dtype, type, bool]]:
+    """(name, dtype, packed class, native) of every format this host runs."""
+    caps = native.capabilities
+    out = [(f"onednn-{d}", d, OneDNNWeight, False)
+           for d in (torch.bfloat16, torch.float16, torch.float32) if onednn_supports(d)]
+    out += [(f"torch-{name}-{d}", d, cls, False) for name, cls in (("int8", Int8Weight),
+                                                                  ("int4", Int4Weight))
+            for d in (torch.bfloat16, torch.float32)]
+    for d in (torch.bfloat16, torch.float32):
+        if caps.linear(d):
+            out += [(f"native-{name}-{d}", d, cls, True) for name, cls in (
+                ("float", NativeWeight), ("int8", NativeInt8Weight), ("int4", NativeInt4Weight))]
+    if caps.w4a8_linear:
+        out.append(("native-w4a8", torch.float32, NativeW4A8Weight, True))
+    return out
+
+
+def pack(cls: type, weight: torch.Tensor, native):
+    if cls in (NativeWeight, NativeInt8Weight, NativeInt4Weight, NativeW4A8Weight):
+        return cls(native, weight, None)
+    return cls(weight, None)
+
+
+def test_rows_do_not_depend_on_the_row_count(native) -> None:
+    gen = torch.Generator().manual_seed(0)
+    failures = []
+    for name, dtype, cls, is_native in formats(native):
+        weight = (torch.randn(320, 576, generator=gen) * 0.05).to(dtype)
+        x = torch.randn(max(PREFILL_SIZES), 576, generator=gen).to(dtype)
+        residual = torch.randn(max(PREFILL_SIZES), 320, generator=gen).to(dtype)
+        packed = pack(cls, weight, native)
+        sizes = DECODE_SIZES + (PREFILL_SIZES if is_native else ())
+        alone = torch.cat([packed(x[r:r + 1]) for r in range(max(sizes))])
+        alone_add = torch.cat([packed.add(x[r:r + 1], residual[r:r + 1])
+                               for r in range(max(sizes))])
+        for m in sizes:
+            if not (torch.equal(packed(x[:m]), alone[:m])
+                    and torch.equal(packed.add(x[:m], residual[:m]), alone_add[:m])):
+                failures.append((name, m))
+    assert not failures
+
+
+@pytest.mark.parametrize("quantization, cls", [("none", NativeFormat),
+                                               ("int8", NativeInt8Format),
+                                               ("int4", NativeInt4Format),
+                                               ("w4a8", NativeW4A8Format)])
+def test_batch_invariant_takes_native_formats_or_refuses(native, quantization, cls) -> None:
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        try:
+            chosen = choose_weight_format(dtype, CPU, quantization, native,
+                                          batch_invariant=True)
+        except InvalidParameterError as error:
+            assert error.param == "batch_invariant"
+            runs = (native.capabilities.linear(dtype)
+                    and (quantization != "w4a8" or NativeW4A8Format.supports(dtype, native)))
+            assert not runs, f"{quantization} {dtype}: the host has its native kernel"
+            continue
+        assert type(chosen) is cls
+        assert type(chosen.head).__name__.startswith("Native")
+    with pytest.raises(InvalidParameterError):
+        choose_weight_format(torch.bfloat16, torch.device("cuda"), quantization, native,
+                             batch_invariant=True)
