@@ -46,8 +46,8 @@ class ModelRunner:
                  num_kv_blocks: int, block_size: int, seed: int = 0,
                  kernels: NativeKernels | None = None, batch_invariant: bool = False) -> None:
         self.model = model
-        self.prompts_by_prefill = (not batch_invariant
-                                   or model.attention.prefill.row_invariant)
+        self.prompts_by_prefill = (not batch_invariant or all(
+            attention.prefill.row_invariant for attention in model.attentions))
         self.device = device
         self.block_size = block_size
         shape = model.kv_cache_shape(num_kv_blocks, block_size)
