@@ -12,27 +12,16 @@ means the native kernel is faster. Usage::
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 from report_file import write_report  # noqa: E402  (sibling module)
+from roofline import best_seconds  # noqa: E402  (sibling module)
 
 from tokenmill.kernels import native_kernels
 from tokenmill.models.attention_native import NativeDecode
 from tokenmill.models.attention_sdpa import SdpaAttention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def fastest(call, repeats: int) -> float:
-    """Seconds of the fastest of ``repeats`` calls (after one warm-up)."""
-    call()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
@@ -67,8 +56,8 @@ def main() -> None:
     sdpa = SdpaAttention(args.heads, args.kv_heads, d, dtype, window=args.window)
     sdpa_plan = sdpa._plan_decode(tables, lens, bs, num_blocks)
     with torch.inference_mode():
-        native_s = fastest(lambda: native(q, cache, native_plan, d**-0.5), args.repeats)
-        sdpa_s = fastest(lambda: sdpa.decode(q, cache, sdpa_plan, d**-0.5), args.repeats)
+        native_s = best_seconds(lambda: native(q, cache, native_plan, d**-0.5), args.repeats)
+        sdpa_s = best_seconds(lambda: sdpa.decode(q, cache, sdpa_plan, d**-0.5), args.repeats)
     report = {"args": vars(args), "torch": torch.__version__, "native_us": native_s * 1e6,
               "sdpa_us": sdpa_s * 1e6, "ratio": sdpa_s / native_s}
     print(f"{args.seqs} x {args.context} keys (window {args.window}), heads {args.heads}/"

@@ -26,7 +26,8 @@ MATMUL_SECONDS = 0.5
 READ_BYTES = 1 << 30
 
 
-def _best_seconds(fn, repeats: int = 5) -> float:
+def best_seconds(fn, repeats: int = 5) -> float:
+    """Seconds of the fastest of ``repeats`` calls of ``fn`` (after one warm-up)."""
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -50,13 +51,13 @@ def matmul_gflops(dtype: torch.dtype) -> float:
 def _gflops(size: int, dtype: torch.dtype) -> float:
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)
-    return 2 * size**3 / _best_seconds(lambda: torch.mm(a, b)) / 1e9
+    return 2 * size**3 / best_seconds(lambda: torch.mm(a, b)) / 1e9
 
 
 def read_gbps() -> float:
     """GB/s of a sum over 1 GiB of float32: one streaming read, nothing written."""
     data = torch.ones(READ_BYTES // 4)
-    return READ_BYTES / _best_seconds(lambda: data.sum()) / 1e9
+    return READ_BYTES / best_seconds(lambda: data.sum()) / 1e9
 
 
 def measure_host() -> dict:
