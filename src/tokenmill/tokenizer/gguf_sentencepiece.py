@@ -13,9 +13,9 @@ That is byte-pair encoding whose merge ranks follow the scores of the merged tok
 ``build_sentencepiece`` hands it to the ``tokenizers`` library as a BPE model with byte
 fallback: a ``Prepend("▁")`` normalizer, which the library applies to each fragment
 between added tokens just as llama.cpp adds its space, and merges ranked by the merged
-token's score (ties: the lower token id first). Control tokens become special added
-tokens, user-defined tokens plain added tokens; byte, unused and unknown tokens stay in
-the model's vocabulary only.
+token's score (ties: the lower token id first). The added tokens are ``gguf_tokens``'
+(control, unknown and user-defined ones, with llama.cpp's overrides); byte and unused
+tokens stay in the model's vocabulary only.
 """
 
 from __future__ import annotations
