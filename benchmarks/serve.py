@@ -74,13 +74,24 @@ def free_port() -> int:
 @contextlib.contextmanager
 def running_server(model: str | None, extra: list[str]) -> Iterator[str]:
     """A ``tokenmill serve`` on a free loopback port until the block ends; yields its URL."""
+    with server_process(model, extra) as (base_url, _):
+        yield base_url
+
+
+@contextlib.contextmanager
+def server_process(model: str | None, extra: list[str], own_session: bool = False,
+                   ) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``running_server`` that also yields the process. ``own_session``: started in a
+    session of its own (``setsid``), as a service manager or a container runtime starts
+    it (with kernel autogroup, a scheduling group of its own)."""
     port = free_port()
     command = [sys.executable, "-m", "tokenmill.cli", "--log-level", "warning", "serve",
                "--port", str(port), *([model] if model else []), *extra]
     with tempfile.TemporaryFile() as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=own_session)
         try:
-            yield wait_ready(server, f"http://127.0.0.1:{port}", log)
+            yield wait_ready(server, f"http://127.0.0.1:{port}", log), server
         finally:
             server.terminate()
             try:

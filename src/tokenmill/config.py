@@ -80,7 +80,9 @@ class EngineConfig:
         "as two 4-bit planes), other types in the dtype (CPU)",
         choices=QUANTIZATION_CHOICES)
     device: str = option("auto", "auto (CUDA when present), cpu or cuda[:N]")
-    num_threads: int | None = option(None, "the engine's compute threads (default: every core)")
+    num_threads: int | None = option(
+        None, "the engine's compute threads, fixed (default: one per CPU it may use, fewer "
+        "while other programs take their share of those CPUs)")
     kernels: str = option(
         "auto", "auto (the native CPU kernels, compiled for this CPU on first use, where they "
         "build: linear layers, attention, norms, rotary, SiLU and sampling), native, or torch "

@@ -5,10 +5,12 @@ torch, a model or a kernel."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
 import httpx
+import pytest
 from server_process import ServerProcess
 
 
@@ -100,3 +102,23 @@ def test_engine_ends_when_the_server_is_killed(tiny_model):
     server.process.wait()
     server.stop()
     assert wait_gone(engine, 30), "the engine outlived a killed server"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to take one away")
+def test_engine_threads_follow_the_cpus_it_is_given_while_it_serves(tiny_model):
+    """``taskset`` on a running server: the engine drops to one compute thread (two
+    threads on one CPU wait for each other a whole time slice at every barrier)."""
+    server = ServerProcess(tiny_model, "--max-model-len", "256")
+    try:
+        engine = engine_process(server.process.pid)
+        one_cpu = {min(os.sched_getaffinity(0))}
+        for task in os.listdir(f"/proc/{engine}/task"):
+            os.sched_setaffinity(int(task), one_cpu)
+        deadline = time.monotonic() + 60
+        while not re.search(r"compute threads \d+ -> 1:", server.log()):
+            assert time.monotonic() < deadline, f"threads never followed:\n{server.log()}"
+            r = httpx.post(server.base_url + "/v1/completions", timeout=30, json={
+                "prompt": "hello", "max_tokens": 64, "ignore_eos": True, "n": 4})
+            assert r.status_code == 200
+    finally:
+        server.stop()

@@ -10,6 +10,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_core import EngineCore
+from tokenmill.engine.cpu_share import usable_cpus
 from tokenmill.engine.messages import EngineInfo
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.errors import InvalidParameterError
@@ -28,13 +29,15 @@ DEFAULT_MAX_MODEL_LEN = 8192
 class Engine:
     core: EngineCore
     info: EngineInfo  # what a client of the engine needs to know (model name, sizes)
+    device: torch.device
 
 
 def build_engine(config: EngineConfig) -> Engine:
-    """The engine ``config`` describes; ``num_threads``, when given, sets this process's
-    PyTorch compute threads."""
-    if config.num_threads is not None:
-        torch.set_num_threads(config.num_threads)
+    """The engine ``config`` describes. Sets this process's PyTorch compute threads:
+    ``num_threads`` when given, else no more than ``usable_cpus`` (PyTorch follows the
+    affinity mask on its own, not a cgroup quota)."""
+    torch.set_num_threads(config.num_threads
+                          or min(torch.get_num_threads(), usable_cpus()))
     device = pick_device() if config.device == "auto" else torch.device(config.device)
     dtype = resolve_dtype(config.dtype, device, config.quantization)
     kernels = choose_kernels(config.kernels, device)
@@ -52,7 +55,7 @@ def build_engine(config: EngineConfig) -> Engine:
                 config.block_size, max_model_len)
     info = EngineInfo(model_name_for(config.model), max_model_len, model_config.vocab_size,
                       num_blocks * config.block_size)
-    return Engine(core, info)
+    return Engine(core, info, device)
 
 
 def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

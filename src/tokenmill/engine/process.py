@@ -31,6 +31,7 @@ outputs), the loop does not step: it sleeps until a compilation ends or a messag
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import queue
@@ -43,6 +44,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.engine_core import EngineCore, StepFailed
 from tokenmill.core.records import FinishReason
 from tokenmill.core.types import EngineCoreOutputs
+from tokenmill.engine.cpu_share import ThreadShare
 from tokenmill.engine.messages import Abort, EngineInfo, QueueState, StepReport
 from tokenmill.structured.compiler import Vocabulary
 
@@ -72,11 +74,14 @@ class _Inbox:
                 return
 
 
-def run_engine_loop(core: EngineCore, conn: Connection) -> None:
+def run_engine_loop(core: EngineCore, conn: Connection,
+                    threads: ThreadShare | None = None) -> None:
     """Step ``core`` for the requests arriving on ``conn`` until ``None`` arrives; publish
     a ``StepReport`` per step. A failed step fails only its requests (``StepFailed``); any
     other exception leaves the core's state in doubt, so every request in flight ends
-    with an error. Either way the loop goes on."""
+    with an error. Either way the loop goes on. ``threads``, when given, times each step
+    to fit the compute threads to the CPU time the engine gets."""
+    stepping = contextlib.nullcontext if threads is None else threads.stepping
     inbox = _Inbox(conn)
     taken_requests = taken_tokens = 0
     idle_published = True
@@ -121,7 +126,9 @@ def run_engine_loop(core: EngineCore, conn: Connection) -> None:
                     inbox.wakeup.clear()
                     continue
                 idle_published = False
-                publish(core.step())
+                with stepping():
+                    outputs = core.step()
+                publish(outputs)
             except StepFailed as failed:
                 logger.error("engine step failed; its %d request(s) end with an error",
                              len(failed.outputs.outputs), exc_info=failed.__cause__)
@@ -168,6 +175,8 @@ def start_engine_process(config: EngineConfig, log_level: int = logging.INFO,
 
 def _engine_process_main(config: EngineConfig, conn: Connection, log_level: int,
                          setup: Callable[[], None] | None) -> None:
+    import torch
+
     from tokenmill.engine.builder import build_engine
 
     if setup is not None:
@@ -184,4 +193,6 @@ def _engine_process_main(config: EngineConfig, conn: Connection, log_level: int,
         conn.close()
         return
     conn.send(engine.info)
-    run_engine_loop(engine.core, conn)
+    follows = engine.device.type == "cpu" and config.num_threads is None
+    threads = ThreadShare(torch.get_num_threads(), torch.set_num_threads) if follows else None
+    run_engine_loop(engine.core, conn, threads)
