@@ -330,6 +330,186 @@ void decode_attention_avx2(const DecodeOperands<T>& op) {
   });
 }
 
+#if defined(__AVX512F__)
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+
+inline void store16(at::BFloat16* p, __m512 v) {
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, v);
+  for (int i = 0; i < 16; ++i) p[i] = from_float<at::BFloat16>(lanes[i]);
+}
+
+inline __m256 add_halves(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+constexpr int kHeadsPerTile = 3;     // query heads scored (and weighted) per key row read
+constexpr int64_t kDimsPerPass = 64;  // value dimensions added per pass (4 registers)
+
+// scores[g * score_stride + j] = q_g . K[keys[j]] for the NH query heads g at queries +
+// g * HEAD_DIM (scaled) and the kKeys keys keys[j]: each key's row is read and converted
+// once for all NH heads (NH x kKeys accumulators stay in registers).
+template <typename T, int64_t HEAD_DIM, int NH>
+inline void score_keys(const T* const (&keys)[kKeys], const float* queries, float* scores,
+                       int64_t score_stride) {
+  __m512 acc[NH][kKeys];
+  for (int g = 0; g < NH; ++g) {
+    for (int64_t j = 0; j < kKeys; ++j) acc[g][j] = _mm512_setzero_ps();
+  }
+  for (int64_t c = 0; c < HEAD_DIM / 16; ++c) {
+    for (int64_t j = 0; j < kKeys; ++j) {
+      const __m512 k = load16(keys[j] + 16 * c);
+      for (int g = 0; g < NH; ++g) {
+        acc[g][j] = _mm512_fmadd_ps(_mm512_loadu_ps(queries + g * HEAD_DIM + 16 * c), k,
+                                    acc[g][j]);
+      }
+    }
+  }
+  for (int g = 0; g < NH; ++g) {
+    __m256 halves[kKeys];
+    for (int64_t j = 0; j < kKeys; ++j) halves[j] = add_halves(acc[g][j]);
+    _mm256_storeu_ps(scores + g * score_stride, fold8(halves));
+  }
+}
+
+// add_values with 16-lane registers: kDimsPerPass dimensions of NH query heads per pass.
+template <typename T, int NH>
+inline void add_values16(const T* values, const int64_t* offsets, int64_t len,
+                         const float* scores, int64_t score_stride, const float* inv_totals,
+                         T* out, int64_t out_stride, bool prefetch, int64_t width) {
+  constexpr int kChunks = kDimsPerPass / 16;
+  __m512 acc[NH][kChunks];
+  for (int g = 0; g < NH; ++g) {
+    for (int c = 0; c < kChunks; ++c) acc[g][c] = _mm512_setzero_ps();
+  }
+  if (prefetch) {
+    for (int64_t t = 0; t < std::min(kRowsAhead, len); ++t) {
+      prefetch_row(values + offsets[t], width);
+    }
+  }
+  for (int64_t t = 0; t < len; ++t) {
+    if (prefetch && t + kRowsAhead < len) prefetch_row(values + offsets[t + kRowsAhead], width);
+    const T* row = values + offsets[t];
+    __m512 w[NH];
+    for (int g = 0; g < NH; ++g) w[g] = _mm512_set1_ps(scores[g * score_stride + t]);
+    for (int c = 0; c < kChunks; ++c) {
+      const __m512 v = load16(row + 16 * c);
+      for (int g = 0; g < NH; ++g) acc[g][c] = _mm512_fmadd_ps(w[g], v, acc[g][c]);
+    }
+  }
+  for (int g = 0; g < NH; ++g) {
+    const __m512 inv = _mm512_set1_ps(inv_totals[g]);
+    for (int c = 0; c < kChunks; ++c) {
+      store16(out + g * out_stride + 16 * c, _mm512_mul_ps(acc[g][c], inv));
+    }
+  }
+}
+
+// decode_attention_avx2's plan with AVX-512 registers: a KV head's key rows are read once
+// per kHeadsPerTile query heads (not once per query head), 16 lanes per instruction.
+template <typename T, int64_t HEAD_DIM>
+void decode_attention_avx512(const DecodeOperands<T>& op) {
+  static_assert(HEAD_DIM % kDimsPerPass == 0, "head size a multiple of 64");
+  const int64_t group = op.group, heads_per_task = op.heads_per_task;
+
+  at::parallel_for(0, op.num_seqs * op.tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, queries(group * HEAD_DIM), inv_totals(group);
+    std::vector<int64_t> offsets;  // each token's row of this task's first KV head
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / op.tasks_per_seq;
+      const int64_t kv_begin = (task % op.tasks_per_seq) * heads_per_task;
+      const int64_t len = op.visible_len(b);
+      const int64_t padded = (len + kKeys - 1) / kKeys * kKeys;
+      const int64_t width = heads_per_task * HEAD_DIM;  // elements of a token's K or V row
+      scores.resize(group * padded);
+      offsets.resize(padded);
+      op.row_offsets(b, kv_begin, offsets.data());
+      // The last tile's missing keys repeat the last one; their scores are never read.
+      std::fill(offsets.begin() + len, offsets.end(), offsets[len - 1]);
+      for (int64_t kv = kv_begin; kv < kv_begin + heads_per_task; ++kv) {
+        const int64_t head_offset = (kv - kv_begin) * HEAD_DIM;
+        const int64_t h0 = kv * group;
+        for (int64_t g = 0; g < group; ++g) {
+          const T* q_head = op.q + b * op.q_seq_stride + (h0 + g) * op.q_head_stride;
+          for (int64_t d = 0; d < HEAD_DIM; ++d) {
+            queries[g * HEAD_DIM + d] = to_float(q_head[d]) * op.scale;
+          }
+        }
+        if (kv == kv_begin) {
+          for (int64_t t = 0; t < std::min(kRowsAhead, len); ++t) {
+            prefetch_row(op.k + offsets[t], width);
+          }
+        }
+        for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerTile) {
+          const int64_t heads = std::min<int64_t>(kHeadsPerTile, group - g0);
+          const bool prefetch = kv == kv_begin && g0 == 0;
+          const float* q = queries.data() + g0 * HEAD_DIM;
+          for (int64_t t0 = 0; t0 < padded; t0 += kKeys) {
+            const T* keys[kKeys];
+            for (int64_t j = 0; j < kKeys; ++j) keys[j] = op.k + offsets[t0 + j] + head_offset;
+            if (prefetch) {
+              for (int64_t j = t0 + kRowsAhead; j < std::min(t0 + kRowsAhead + kKeys, len); ++j) {
+                prefetch_row(op.k + offsets[j], width);
+              }
+            }
+            float* s = scores.data() + g0 * padded + t0;
+            if (heads == 3) {
+              score_keys<T, HEAD_DIM, 3>(keys, q, s, padded);
+            } else if (heads == 2) {
+              score_keys<T, HEAD_DIM, 2>(keys, q, s, padded);
+            } else {
+              score_keys<T, HEAD_DIM, 1>(keys, q, s, padded);
+            }
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          float* s = scores.data() + g * padded;
+          const float peak = *std::max_element(s, s + len);
+          float total = 0.f;
+#pragma omp simd reduction(+ : total)
+          for (int64_t t = 0; t < len; ++t) {
+            s[t] = std::exp(s[t] - peak);
+            total += s[t];
+          }
+          inv_totals[g] = 1.f / total;
+        }
+        const T* values = op.v + head_offset;
+        for (int64_t pass = 0; pass < HEAD_DIM / kDimsPerPass; ++pass) {
+          const int64_t dim0 = pass * kDimsPerPass;
+          for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerTile) {
+            const int64_t heads = std::min<int64_t>(kHeadsPerTile, group - g0);
+            const bool prefetch = kv == kv_begin && pass == 0 && g0 == 0;
+            const float* s = scores.data() + g0 * padded;
+            T* o = op.out + (b * op.num_heads + h0 + g0) * HEAD_DIM + dim0;
+            const int64_t* offs = offsets.data();
+            if (heads == 3) {
+              add_values16<T, 3>(values + dim0, offs, len, s, padded, &inv_totals[g0], o,
+                                 HEAD_DIM, prefetch, width);
+            } else if (heads == 2) {
+              add_values16<T, 2>(values + dim0, offs, len, s, padded, &inv_totals[g0], o,
+                                 HEAD_DIM, prefetch, width);
+            } else {
+              add_values16<T, 1>(values + dim0, offs, len, s, padded, &inv_totals[g0], o,
+                                 HEAD_DIM, prefetch, width);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+#endif  // AVX-512
+
 #endif  // AVX2 and FMA
 
 // q [B, H, D] (rows of D contiguous); key_cache/value_cache [num_blocks, block_size,
@@ -359,6 +539,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cac
                                       scale, window, out);
 #if defined(__AVX2__) && defined(__FMA__)
     if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>) {
+#if defined(__AVX512F__)
+      if (op.head_dim == 64) return decode_attention_avx512<scalar_t, 64>(op);
+      if (op.head_dim == 128) return decode_attention_avx512<scalar_t, 128>(op);
+      if (op.head_dim == 256) return decode_attention_avx512<scalar_t, 256>(op);
+#endif
       if (op.head_dim == 64) return decode_attention_avx2<scalar_t, 64>(op);
       if (op.head_dim == 128) return decode_attention_avx2<scalar_t, 128>(op);
       if (op.head_dim == 256) return decode_attention_avx2<scalar_t, 256>(op);  // Gemma 3
