@@ -15,9 +15,12 @@ level gets the median over the rounds of the ratio within a round (servers that 
 minutes apart, not a whole run apart), the steadier figure when the drift is large.
 
 Prints one table: per server and concurrency, output tok/s, TTFT and ITL p50/p99, the
-ratio of the first tokenmill configuration to each peer, and the fraction of the host's
+CPU the load generator itself used (cores' worth: it shares the host with the server),
+the ratio of the first tokenmill configuration to each peer, and the fraction of the host's
 roofline reached (``roofline.py``: the measured matmul peak and read bandwidth, for
-``--roofline-dtype``; quantized weights read fewer bytes, so they can pass 1.0).
+``--roofline-dtype``; quantized weights read fewer bytes, so they can pass 1.0); and,
+where one stream was measured, each server's prefill rate (prompt tokens / TTFT p50)
+against the host's bfloat16 matmul peak.
 Writes everything to JSON. Usage::
 
     python benchmarks/peers.py --peer vllm=http://127.0.0.1:8001 \\
@@ -178,6 +181,12 @@ def measure(args: argparse.Namespace) -> dict:
             r["ratio_reference_to_this"] = (reference[r["concurrency"]]["output_tok_s"]
                                             / r["output_tok_s"] if r["output_tok_s"] else None)
             r["ratio_median_of_rounds"] = median
+            # a lone stream's prompt is the only work before its first token
+            r["prefill_tok_s"] = (args.input_len / (r["ttft_p50_ms"] / 1000)
+                                  if r["concurrency"] == 1 and r["ttft_p50_ms"] else None)
+            r["prefill_bf16_peak_fraction"] = (
+                r["prefill_tok_s"] * 2 * matmul_params / (host["bfloat16_gflops"] * 1e9)
+                if r["prefill_tok_s"] else None)
     return {"host": host, "cpu_count": os.cpu_count(), "model_matmul_params": matmul_params,
             "model_weights": weights, "args": vars(args), "reference": servers[0]["name"],
             "servers": servers}
@@ -225,7 +234,8 @@ def print_table(report: dict) -> None:
                         f"{args['requests_per_stream']} requests per stream, best of "
                         f"{args['rounds']} round(s); ratio = {report['reference']} / server")
     for column in ("server", "streams", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
-                   "ITL p50 ms", "ITL p99 ms", "ok", "ratio", "median ratio", "roofline"):
+                   "ITL p50 ms", "ITL p99 ms", "ok", "client CPU", "ratio", "median ratio",
+                   "roofline"):
         table.add_column(column, justify="right")
     for server in report["servers"]:
         for index, r in enumerate(server["rows"]):
@@ -233,7 +243,7 @@ def print_table(report: dict) -> None:
             table.add_row(server["name"] if index == 0 else "", str(r["concurrency"]),
                           f"{r['output_tok_s']:.1f}", ms(r["ttft_p50_ms"]),
                           ms(r["ttft_p99_ms"]), ms(r["itl_p50_ms"]), ms(r["itl_p99_ms"]),
-                          str(r["requests_ok"]),
+                          str(r["requests_ok"]), f"{r['client_cpus']:.2f}",
                           f"{r['ratio_reference_to_this']:.2f}"
                           if r["ratio_reference_to_this"] else "-",
                           f"{r['ratio_median_of_rounds']:.2f}"
@@ -242,6 +252,13 @@ def print_table(report: dict) -> None:
     console.print(table)
     bounds = ", ".join(f"c{r['concurrency']} {r['roofline_tok_s']:.0f}"
                        for r in report["servers"][0]["rows"])
+    for server in report["servers"]:
+        lone = next((r for r in server["rows"] if r["prefill_tok_s"]), None)
+        if lone is not None:
+            console.print(f"{server['name']} prefill (one stream, {args['input_len']} prompt "
+                          f"tokens / TTFT p50): {lone['prefill_tok_s']:.0f} tok/s, "
+                          f"{lone['prefill_bf16_peak_fraction']:.0%} of the bfloat16 matmul "
+                          "peak")
     console.print(f"host ({host['threads']} threads): float32 matmul "
                   f"{host['float32_gflops']:.0f} GFLOP/s, bfloat16 {host['bfloat16_gflops']:.0f} "
                   f"GFLOP/s, reads {host['read_gbps']:.1f} GB/s; roofline in "

@@ -159,7 +159,7 @@ def row(summary: Summary, **extra) -> dict:
         "tpot_mean_ms": summary.tpot_ms.mean,
         "requests_ok": summary.num_ok, "requests_failed": summary.num_failed,
         "output_tokens": summary.total_output_tokens, "duration_s": summary.duration_s,
-        "counting_method": summary.counting_method,
+        "counting_method": summary.counting_method, "client_cpus": summary.client_cpus,
     }
 
 

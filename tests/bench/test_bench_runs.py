@@ -101,6 +101,8 @@ def test_duration_run_cuts_requests_off_and_counts_their_tokens(standin, tmp_pat
     # cut-off requests give TTFT and ITL samples, but no TPOT or E2EL
     assert (result.summary.ttft_ms.count, result.summary.itl_ms.count) == (2, 2 * 5)
     assert (result.summary.tpot_ms.count, result.summary.e2el_ms.count) == (0, 0)
+    # the client mostly waited for chunks: a small share of one core, measured, not absent
+    assert 0 < result.summary.client_cpus < 0.5
 
 
 @pytest.mark.parametrize("fail, error", [("error@4", "error event: stand-in failed mid-stream"),

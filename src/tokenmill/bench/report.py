@@ -31,6 +31,7 @@ def figures(summary: dict) -> list[tuple[str, float | int | None]]:
         # NOTE: .get: results written before these figures existed lack them
         ("tokens per chunk (mean)", summary.get("mean_tokens_per_chunk")),
         ("tokens per chunk (max)", summary.get("max_tokens_per_chunk")),
+        ("load generator CPU (cores)", summary.get("client_cpus")),
     ]
     for key, name in LATENCIES:
         rows.extend((f"{name} {stat} (ms)", summary[key][stat]) for stat in STATS)

@@ -69,14 +69,15 @@ async def run_benchmark(config: BenchConfig) -> BenchResult:
                 await send(client, endpoint, prompt.text, raw, start_ts)
                 bar.request_finished()
 
-            start_ts = time.perf_counter()
+            start_ts, start_cpu_s = time.perf_counter(), time.process_time()
             duration_s = await drive(config, run_one, start_ts)
+            client_cpu_s = time.process_time() - start_cpu_s
     for raw in raws:
         if raw.status is None:
             raw.status = Status.CUT_OFF
     count_text = local.count_output if local is not None else None
     records = sorted((count_record(raw, count_text) for raw in raws), key=lambda r: r.index)
-    summary = summarize(records, duration_s, config.goodput)
+    summary = summarize(records, duration_s, config.goodput, client_cpu_s)
     info = _info(config, model, counter, endpoint, entries is not None)
     return BenchResult(info, summary, _notes(info, summary.counting_methods), records)
 

@@ -63,6 +63,9 @@ class Summary:
     goodput_slos_ms: dict[str, float]
     counting_method: str  # the one method used, "mixed", or "none"
     counting_methods: dict[str, int]  # method -> requests counted with it
+    # CPUs' worth of CPU time the load generator itself used while it ran (its process's
+    # CPU seconds / duration_s): on a host it shares with the server, the cores it took
+    client_cpus: float | None = None
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -95,7 +98,7 @@ def meets_slos(record: RequestRecord, slos_ms: dict[str, float]) -> bool:
 
 
 def summarize(records: list[RequestRecord], duration_s: float,
-              slos_ms: dict[str, float]) -> Summary:
+              slos_ms: dict[str, float], client_cpu_s: float | None = None) -> Summary:
     assert duration_s > 0, "a run takes time"
     ok = [r for r in records if r.status is Status.OK]
     timed = [r for r in records if r.status in (Status.OK, Status.CUT_OFF)]
@@ -123,4 +126,5 @@ def summarize(records: list[RequestRecord], duration_s: float,
         max_tokens_per_chunk=max(chunk_tokens, default=None),
         goodput=goodput, goodput_slos_ms=dict(slos_ms),
         counting_method=overall, counting_methods=dict(methods),
+        client_cpus=None if client_cpu_s is None else client_cpu_s / duration_s,
     )
