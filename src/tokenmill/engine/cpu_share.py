@@ -15,7 +15,8 @@ times longer. ``ThreadShare`` watches the CPU time the engine's threads get whil
 steps, runs fewer threads when they get much less than all of it, and more again (up to
 the CPUs it is given) when CPUs it may run on sit idle.
 
-Nothing here imports torch: the engine process reads these before torch loads.
+Nothing here imports torch: the server's HTTP process imports this module (through the
+engine process's entry point) and never loads torch.
 """
 
 from __future__ import annotations
