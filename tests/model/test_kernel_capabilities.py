@@ -130,13 +130,17 @@ def test_every_capability_off_leaves_no_native_format(native, monkeypatch):
 
 def test_prefill_attention_follows_the_capabilities(native):
     """The native attention backend takes the prefill kernel only for the dtype and head
-    sizes the build has it for; SDPA otherwise."""
+    sizes the build has it for, and not where the CPU has AMX (SDPA's AMX tiles prefill
+    faster there); SDPA otherwise."""
     without = with_capabilities(native, prefill_attention_head_dims=frozenset())
     assert type(NativeAttention(without, *HEADS, BF16).prefill) is SdpaPrefill
     assert type(NativeAttention(native, *HEADS, F32).prefill) is SdpaPrefill
     assert type(NativeAttention(native, 4, 2, 80, BF16).prefill) is SdpaPrefill
+    with_amx = with_capabilities(native, amx=True)
+    assert type(NativeAttention(with_amx, *HEADS, BF16).prefill) is SdpaPrefill
+    no_amx = with_capabilities(native, amx=False)
     expected = NativePrefill if native.capabilities.prefill_attention(BF16, 64) else SdpaPrefill
-    assert type(NativeAttention(native, *HEADS, BF16).prefill) is expected
+    assert type(NativeAttention(no_amx, *HEADS, BF16).prefill) is expected
 
 
 def test_a_missing_kernel_is_refused_not_called(native):

@@ -3,6 +3,7 @@ each backend; the native kernels against SDPA and exact arithmetic."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -122,10 +123,17 @@ def test_plan_takes_the_batched_decode_path():
     assert attention.plan(md, cache.shape[1]).decode.mask is None
 
 
+def without_amx(native):
+    """``native`` as a build on a CPU without AMX: ``NativeAttention`` then takes the prefill
+    kernel wherever the build has it (with AMX it prefers SDPA's)."""
+    return dataclasses.replace(native,
+                               capabilities=dataclasses.replace(native.capabilities, amx=False))
+
+
 def test_plan_of_a_mixed_batch_splits_decodes_from_prefills(native):
     """Each sub-plan holds only its own sequences: the decodes' flat rows and lengths, the
     prefills' query ranges."""
-    attention = NativeAttention(native, HEADS, KV_HEADS, 64, torch.bfloat16)
+    attention = NativeAttention(without_amx(native), HEADS, KV_HEADS, 64, torch.bfloat16)
     cache, md, _, _ = make_batch([25, 1, 9, 17, 3], [1, 1, 9, 5, 1], seed=0, head_dim=64)
     plan = attention.plan(md, cache.shape[1])
     assert plan.decode_token_idx.tolist() == [0, 1, 16]
@@ -226,7 +234,7 @@ def test_native_prefill_kernel_equals_naive(case, head_dim, native):
     q = torch.cat(qs)
     k = torch.cat([k[s - n :] for (k, _), s, n in zip(full_kv, seq_lens, query_lens, strict=True)])
     v = torch.cat([v[s - n :] for (_, v), s, n in zip(full_kv, seq_lens, query_lens, strict=True)])
-    attention = NativeAttention(native, HEADS, KV_HEADS, head_dim, torch.bfloat16)
+    attention = NativeAttention(without_amx(native), HEADS, KV_HEADS, head_dim, torch.bfloat16)
     plan = attention.plan(md, cache.shape[1])
     assert isinstance(plan.prefill, NativePrefillPlan)
     out = store_and_attend(attention, q, k, v, cache, plan)

@@ -81,17 +81,20 @@ class NativePrefill:
 class NativeAttention(AttentionBackend):
     """Rotary and the KV store in one pass (``rotary_store_kv``), then ``NativeDecode``,
     and ``NativePrefill`` where ``kernels.capabilities`` has it for ``dtype`` (the model's)
-    and ``head_dim``, else ``SdpaPrefill``; ``scale``: of q . k (None: ``head_dim ** -0.5``).
-    With a sliding ``window``, the decode kernel takes it and prefills take ``SdpaPrefill``
-    with it (the prefill kernel has no window)."""
+    and ``head_dim`` and the CPU has no AMX, else ``SdpaPrefill``; ``scale``: of q . k
+    (None: ``head_dim ** -0.5``). With AMX, PyTorch's SDPA multiplies with AMX tiles and
+    prefills faster than the native kernel's VDPBF16PS at every prompt size measured (2.1x
+    for a 2048-token prompt, 1.06x for sixteen of 128 tokens). With a sliding ``window``,
+    the decode kernel takes it and prefills take ``SdpaPrefill`` with it (the prefill
+    kernel has no window)."""
 
     def __init__(self, kernels: NativeKernels, num_heads: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, scale: float | None = None,
                  window: int | None = None) -> None:
-        prefill: PrefillAttention = (
-            NativePrefill(kernels, dtype, head_dim)
-            if window is None and kernels.capabilities.prefill_attention(dtype, head_dim)
-            else SdpaPrefill(dtype, window))
+        native_prefill = (window is None and not kernels.capabilities.amx
+                          and kernels.capabilities.prefill_attention(dtype, head_dim))
+        prefill: PrefillAttention = (NativePrefill(kernels, dtype, head_dim) if native_prefill
+                                     else SdpaPrefill(dtype, window))
         super().__init__(num_heads, num_kv_heads, head_dim, NativeDecode(kernels, window),
                          prefill, scale)
         self._rotary_store_kv = kernels.rotary_store_kv
