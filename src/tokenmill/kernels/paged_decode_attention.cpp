@@ -194,18 +194,68 @@ inline __m256 fold8(const __m256 (&v)[8]) {
 
 constexpr int64_t kKeys = 8;          // keys scored at once (one register of scores)
 constexpr int64_t kValueChunks = 4;   // registers of a value row added per pass
-constexpr int64_t kHeadsAtOnce = 3;   // query heads sharing each value row read
+constexpr int64_t kHeadsAtOnce = 3;   // query heads sharing each value (AVX-512: key) row read
 // Tokens ahead whose whole K or V rows (every KV head of the task) are requested while
 // the task's first KV head is computed; the others find them in L2.
 constexpr int64_t kRowsAhead = 16;
 
+// One task's keys: its sequence b, first KV head, visible keys (len) and those rounded up
+// to whole tiles of kKeys (padded); offsets[t] = key t's row of the first KV head in
+// either cache, the last tile's missing keys repeating the last key (their scores are
+// never read).
+struct TaskKeys {
+  int64_t b, kv_begin, len, padded;
+};
+
+template <typename T>
+TaskKeys task_keys(const DecodeOperands<T>& op, int64_t task, std::vector<int64_t>& offsets) {
+  const int64_t b = task / op.tasks_per_seq;
+  const int64_t kv_begin = (task % op.tasks_per_seq) * op.heads_per_task;
+  const int64_t len = op.visible_len(b);
+  const int64_t padded = (len + kKeys - 1) / kKeys * kKeys;
+  offsets.resize(padded);
+  op.row_offsets(b, kv_begin, offsets.data());
+  std::fill(offsets.begin() + len, offsets.end(), offsets[len - 1]);
+  return {b, kv_begin, len, padded};
+}
+
+// queries[g * head_dim + d] = the scaled float32 query of head h0 + g of sequence b.
+template <typename T>
+void scaled_queries(const DecodeOperands<T>& op, int64_t b, int64_t h0, int64_t head_dim,
+                    float* queries) {
+  for (int64_t g = 0; g < op.group; ++g) {
+    const T* q_head = op.q + b * op.q_seq_stride + (h0 + g) * op.q_head_stride;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      queries[g * head_dim + d] = to_float(q_head[d]) * op.scale;
+    }
+  }
+}
+
+// Each of `rows` score rows (len keys, `stride` apart) becomes exp(score - the row's
+// maximum), and inv_totals[row] 1 / the row's sum.
+inline void exp_rows(float* scores, int64_t rows, int64_t stride, int64_t len,
+                     float* inv_totals) {
+  for (int64_t row = 0; row < rows; ++row) {
+    float* s = scores + row * stride;
+    const float peak = *std::max_element(s, s + len);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < len; ++t) {
+      s[t] = std::exp(s[t] - peak);
+      total += s[t];
+    }
+    inv_totals[row] = 1.f / total;
+  }
+}
+
 // For NH query heads g: out[g * out_stride + d] = sum_t scores[g * score_stride + t] *
 // V[t, d] * inv_totals[g], over the 32 dimensions d of one pass, V row t at
 // values + offsets[t]; with prefetch, rows of width elements are requested ahead.
+struct AddValues8 {
 template <typename T, int NH>
-inline void add_values(const T* values, const int64_t* offsets, int64_t len,
-                       const float* scores, int64_t score_stride, const float* inv_totals,
-                       T* out, int64_t out_stride, bool prefetch, int64_t width) {
+static void run(const T* values, const int64_t* offsets, int64_t len,
+                const float* scores, int64_t score_stride, const float* inv_totals,
+                T* out, int64_t out_stride, bool prefetch, int64_t width) {
   __m256 acc[NH][kValueChunks];
   for (int g = 0; g < NH; ++g) {
     for (int c = 0; c < kValueChunks; ++c) acc[g][c] = _mm256_setzero_ps();
@@ -232,48 +282,71 @@ inline void add_values(const T* values, const int64_t* offsets, int64_t len,
     }
   }
 }
+};
+
+// Values: each pass adds DIMS dimensions for up to kHeadsAtOnce query heads
+// (Adder::run<T, heads>), so that a value row read once serves them all; the first pass
+// of the task's first KV head requests the rows of all its KV heads ahead.
+template <typename Adder, int64_t DIMS, int64_t HEAD_DIM, typename T>
+void add_value_passes(const DecodeOperands<T>& op, const TaskKeys& task, int64_t kv,
+                      const float* scores, const float* inv_totals, const int64_t* offsets) {
+  const int64_t group = op.group, h0 = kv * group, width = op.heads_per_task * HEAD_DIM;
+  const T* values = op.v + (kv - task.kv_begin) * HEAD_DIM;
+  for (int64_t dim0 = 0; dim0 < HEAD_DIM; dim0 += DIMS) {
+    for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
+      const int64_t heads = std::min(kHeadsAtOnce, group - g0);
+      const bool prefetch = kv == task.kv_begin && dim0 == 0 && g0 == 0;
+      const float* s = scores + g0 * task.padded;
+      T* o = op.out + (task.b * op.num_heads + h0 + g0) * HEAD_DIM + dim0;
+      if (heads == 3) {
+        Adder::template run<T, 3>(values + dim0, offsets, task.len, s, task.padded,
+                                  inv_totals + g0, o, HEAD_DIM, prefetch, width);
+      } else if (heads == 2) {
+        Adder::template run<T, 2>(values + dim0, offsets, task.len, s, task.padded,
+                                  inv_totals + g0, o, HEAD_DIM, prefetch, width);
+      } else {
+        Adder::template run<T, 1>(values + dim0, offsets, task.len, s, task.padded,
+                                  inv_totals + g0, o, HEAD_DIM, prefetch, width);
+      }
+    }
+  }
+}
+
+// The task's first KV head requests its first kRowsAhead key rows (of all its KV heads).
+template <typename T>
+void prefetch_first_keys(const DecodeOperands<T>& op, const TaskKeys& task,
+                         const int64_t* offsets, int64_t width) {
+  for (int64_t t = 0; t < std::min(kRowsAhead, task.len); ++t) {
+    prefetch_row(op.k + offsets[t], width);
+  }
+}
 
 template <typename T, int64_t HEAD_DIM>
 void decode_attention_avx2(const DecodeOperands<T>& op) {
   static_assert(HEAD_DIM % (8 * kValueChunks) == 0, "head size a multiple of 32");
   constexpr int64_t kChunks = HEAD_DIM / 8;
   const int64_t group = op.group, heads_per_task = op.heads_per_task;
+  const int64_t width = heads_per_task * HEAD_DIM;  // elements of a token's K or V row
 
   at::parallel_for(0, op.num_seqs * op.tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, queries(group * HEAD_DIM), inv_totals(group);
-    std::vector<int64_t> offsets;  // each token's row of this task's first KV head
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / op.tasks_per_seq;
-      const int64_t kv_begin = (task % op.tasks_per_seq) * heads_per_task;
-      const int64_t len = op.visible_len(b);
-      const int64_t padded = (len + kKeys - 1) / kKeys * kKeys;
-      const int64_t width = heads_per_task * HEAD_DIM;  // elements of a token's K or V row
+    std::vector<int64_t> offsets;
+    for (int64_t index = begin; index < end; ++index) {
+      const TaskKeys task = task_keys(op, index, offsets);
+      const int64_t len = task.len, padded = task.padded;
       scores.resize(group * padded);
-      offsets.resize(padded);
-      op.row_offsets(b, kv_begin, offsets.data());
-      // The last tile's missing keys repeat the last one; their scores are never read.
-      std::fill(offsets.begin() + len, offsets.end(), offsets[len - 1]);
-      for (int64_t kv = kv_begin; kv < kv_begin + heads_per_task; ++kv) {
-        const int64_t head_offset = (kv - kv_begin) * HEAD_DIM;
-        const int64_t h0 = kv * group;
-        for (int64_t g = 0; g < group; ++g) {
-          const T* q_head = op.q + b * op.q_seq_stride + (h0 + g) * op.q_head_stride;
-          for (int64_t d = 0; d < HEAD_DIM; ++d) {
-            queries[g * HEAD_DIM + d] = to_float(q_head[d]) * op.scale;
-          }
-        }
+      for (int64_t kv = task.kv_begin; kv < task.kv_begin + heads_per_task; ++kv) {
+        const int64_t head_offset = (kv - task.kv_begin) * HEAD_DIM;
+        const bool first = kv == task.kv_begin;
+        scaled_queries(op, task.b, kv * group, HEAD_DIM, queries.data());
         // Scores, 8 keys at a time for every query head of the group: the keys' rows come
         // from memory for the task's first KV head (kRowsAhead tokens requested ahead),
         // from L2 for the others, and from L1 for every query head after the first.
-        if (kv == kv_begin) {
-          for (int64_t t = 0; t < std::min(kRowsAhead, len); ++t) {
-            prefetch_row(op.k + offsets[t], width);
-          }
-        }
+        if (first) prefetch_first_keys(op, task, offsets.data(), width);
         for (int64_t t0 = 0; t0 < padded; t0 += kKeys) {
           const T* keys[kKeys];
           for (int64_t j = 0; j < kKeys; ++j) keys[j] = op.k + offsets[t0 + j] + head_offset;
-          if (kv == kv_begin) {
+          if (first) {
             for (int64_t j = t0 + kRowsAhead; j < std::min(t0 + kRowsAhead + kKeys, len); ++j) {
               prefetch_row(op.k + offsets[j], width);
             }
@@ -291,40 +364,9 @@ void decode_attention_avx2(const DecodeOperands<T>& op) {
             _mm256_storeu_ps(scores.data() + g * padded + t0, fold8(acc));
           }
         }
-        for (int64_t g = 0; g < group; ++g) {
-          float* s = scores.data() + g * padded;
-          const float peak = *std::max_element(s, s + len);
-          float total = 0.f;
-#pragma omp simd reduction(+ : total)
-          for (int64_t t = 0; t < len; ++t) {
-            s[t] = std::exp(s[t] - peak);
-            total += s[t];
-          }
-          inv_totals[g] = 1.f / total;
-        }
-        // Values: each pass adds 32 dimensions for up to kHeadsAtOnce query heads, so that
-        // a value row read once serves them all.
-        const T* values = op.v + head_offset;
-        for (int64_t pass = 0; pass < HEAD_DIM / (8 * kValueChunks); ++pass) {
-          const int64_t dim0 = pass * 8 * kValueChunks;
-          for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
-            const int64_t heads = std::min(kHeadsAtOnce, group - g0);
-            const bool prefetch = kv == kv_begin && pass == 0 && g0 == 0;
-            const float* s = scores.data() + g0 * padded;
-            T* o = op.out + (b * op.num_heads + h0 + g0) * HEAD_DIM + dim0;
-            const int64_t* offs = offsets.data();
-            if (heads == 3) {
-              add_values<T, 3>(values + dim0, offs, len, s, padded, &inv_totals[g0], o,
-                               HEAD_DIM, prefetch, width);
-            } else if (heads == 2) {
-              add_values<T, 2>(values + dim0, offs, len, s, padded, &inv_totals[g0], o,
-                               HEAD_DIM, prefetch, width);
-            } else {
-              add_values<T, 1>(values + dim0, offs, len, s, padded, &inv_totals[g0], o,
-                               HEAD_DIM, prefetch, width);
-            }
-          }
-        }
+        exp_rows(scores.data(), group, padded, len, inv_totals.data());
+        add_value_passes<AddValues8, 8 * kValueChunks, HEAD_DIM>(
+            op, task, kv, scores.data(), inv_totals.data(), offsets.data());
       }
     }
   });
@@ -352,7 +394,6 @@ inline __m256 add_halves(__m512 v) {
                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 
-constexpr int kHeadsPerTile = 3;     // query heads scored (and weighted) per key row read
 constexpr int64_t kDimsPerPass = 64;  // value dimensions added per pass (4 registers)
 
 // scores[g * score_stride + j] = q_g . K[keys[j]] for the NH query heads g at queries +
@@ -381,11 +422,12 @@ inline void score_keys(const T* const (&keys)[kKeys], const float* queries, floa
   }
 }
 
-// add_values with 16-lane registers: kDimsPerPass dimensions of NH query heads per pass.
+// AddValues8 with 16-lane registers: kDimsPerPass dimensions of NH query heads per pass.
+struct AddValues16 {
 template <typename T, int NH>
-inline void add_values16(const T* values, const int64_t* offsets, int64_t len,
-                         const float* scores, int64_t score_stride, const float* inv_totals,
-                         T* out, int64_t out_stride, bool prefetch, int64_t width) {
+static void run(const T* values, const int64_t* offsets, int64_t len,
+                const float* scores, int64_t score_stride, const float* inv_totals,
+                T* out, int64_t out_stride, bool prefetch, int64_t width) {
   constexpr int kChunks = kDimsPerPass / 16;
   __m512 acc[NH][kChunks];
   for (int g = 0; g < NH; ++g) {
@@ -413,45 +455,30 @@ inline void add_values16(const T* values, const int64_t* offsets, int64_t len,
     }
   }
 }
+};
 
 // decode_attention_avx2's plan with AVX-512 registers: a KV head's key rows are read once
-// per kHeadsPerTile query heads (not once per query head), 16 lanes per instruction.
+// per kHeadsAtOnce query heads (not once per query head), 16 lanes per instruction.
 template <typename T, int64_t HEAD_DIM>
 void decode_attention_avx512(const DecodeOperands<T>& op) {
   static_assert(HEAD_DIM % kDimsPerPass == 0, "head size a multiple of 64");
   const int64_t group = op.group, heads_per_task = op.heads_per_task;
+  const int64_t width = heads_per_task * HEAD_DIM;  // elements of a token's K or V row
 
   at::parallel_for(0, op.num_seqs * op.tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, queries(group * HEAD_DIM), inv_totals(group);
-    std::vector<int64_t> offsets;  // each token's row of this task's first KV head
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / op.tasks_per_seq;
-      const int64_t kv_begin = (task % op.tasks_per_seq) * heads_per_task;
-      const int64_t len = op.visible_len(b);
-      const int64_t padded = (len + kKeys - 1) / kKeys * kKeys;
-      const int64_t width = heads_per_task * HEAD_DIM;  // elements of a token's K or V row
+    std::vector<int64_t> offsets;
+    for (int64_t index = begin; index < end; ++index) {
+      const TaskKeys task = task_keys(op, index, offsets);
+      const int64_t len = task.len, padded = task.padded;
       scores.resize(group * padded);
-      offsets.resize(padded);
-      op.row_offsets(b, kv_begin, offsets.data());
-      // The last tile's missing keys repeat the last one; their scores are never read.
-      std::fill(offsets.begin() + len, offsets.end(), offsets[len - 1]);
-      for (int64_t kv = kv_begin; kv < kv_begin + heads_per_task; ++kv) {
-        const int64_t head_offset = (kv - kv_begin) * HEAD_DIM;
-        const int64_t h0 = kv * group;
-        for (int64_t g = 0; g < group; ++g) {
-          const T* q_head = op.q + b * op.q_seq_stride + (h0 + g) * op.q_head_stride;
-          for (int64_t d = 0; d < HEAD_DIM; ++d) {
-            queries[g * HEAD_DIM + d] = to_float(q_head[d]) * op.scale;
-          }
-        }
-        if (kv == kv_begin) {
-          for (int64_t t = 0; t < std::min(kRowsAhead, len); ++t) {
-            prefetch_row(op.k + offsets[t], width);
-          }
-        }
-        for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerTile) {
-          const int64_t heads = std::min<int64_t>(kHeadsPerTile, group - g0);
-          const bool prefetch = kv == kv_begin && g0 == 0;
+      for (int64_t kv = task.kv_begin; kv < task.kv_begin + heads_per_task; ++kv) {
+        const int64_t head_offset = (kv - task.kv_begin) * HEAD_DIM;
+        scaled_queries(op, task.b, kv * group, HEAD_DIM, queries.data());
+        if (kv == task.kv_begin) prefetch_first_keys(op, task, offsets.data(), width);
+        for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
+          const int64_t heads = std::min(kHeadsAtOnce, group - g0);
+          const bool prefetch = kv == task.kv_begin && g0 == 0;
           const float* q = queries.data() + g0 * HEAD_DIM;
           for (int64_t t0 = 0; t0 < padded; t0 += kKeys) {
             const T* keys[kKeys];
@@ -471,38 +498,9 @@ void decode_attention_avx512(const DecodeOperands<T>& op) {
             }
           }
         }
-        for (int64_t g = 0; g < group; ++g) {
-          float* s = scores.data() + g * padded;
-          const float peak = *std::max_element(s, s + len);
-          float total = 0.f;
-#pragma omp simd reduction(+ : total)
-          for (int64_t t = 0; t < len; ++t) {
-            s[t] = std::exp(s[t] - peak);
-            total += s[t];
-          }
-          inv_totals[g] = 1.f / total;
-        }
-        const T* values = op.v + head_offset;
-        for (int64_t pass = 0; pass < HEAD_DIM / kDimsPerPass; ++pass) {
-          const int64_t dim0 = pass * kDimsPerPass;
-          for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerTile) {
-            const int64_t heads = std::min<int64_t>(kHeadsPerTile, group - g0);
-            const bool prefetch = kv == kv_begin && pass == 0 && g0 == 0;
-            const float* s = scores.data() + g0 * padded;
-            T* o = op.out + (b * op.num_heads + h0 + g0) * HEAD_DIM + dim0;
-            const int64_t* offs = offsets.data();
-            if (heads == 3) {
-              add_values16<T, 3>(values + dim0, offs, len, s, padded, &inv_totals[g0], o,
-                                 HEAD_DIM, prefetch, width);
-            } else if (heads == 2) {
-              add_values16<T, 2>(values + dim0, offs, len, s, padded, &inv_totals[g0], o,
-                                 HEAD_DIM, prefetch, width);
-            } else {
-              add_values16<T, 1>(values + dim0, offs, len, s, padded, &inv_totals[g0], o,
-                                 HEAD_DIM, prefetch, width);
-            }
-          }
-        }
+        exp_rows(scores.data(), group, padded, len, inv_totals.data());
+        add_value_passes<AddValues16, kDimsPerPass, HEAD_DIM>(
+            op, task, kv, scores.data(), inv_totals.data(), offsets.data());
       }
     }
   });
