@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -58,9 +59,9 @@ def hogs(count: int, own_session: bool) -> Iterator[None]:
 def _kill_children(pid: int) -> None:
     for child in _descendants(pid):
         with contextlib.suppress(ProcessLookupError):
-            os.kill(child, 9)
+            os.kill(child, signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, 9)
+        os.kill(pid, signal.SIGKILL)
 
 
 def _descendants(pid: int) -> list[int]:
