@@ -245,8 +245,8 @@ LLAMA_CPP = Path(os.environ.get("PEERS", Path.home() / ".cache/tokenmill-peers")
 
 
 @pytest.mark.skipif(not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file(),
-                    reason=f"no llama.cpp converter at {LLAMA_CPP} "
-                           "(/work/shared/peers/build-llama-server.sh unpacks it)")
+                    reason=f"no llama.cpp source tree (convert_hf_to_gguf.py) at {LLAMA_CPP}; "
+                           "set PEERS to the folder holding llama.cpp/")
 @pytest.mark.parametrize("variant", ["qwen3", "mistral_no_window", "phi3", "gemma3_pattern6"])
 def test_llama_cpp_converted_gguf_matches_hf(tiny_model_dir, tmp_path, variant):
     """Files made by llama.cpp's own converter load as the same model. (Gemma's converter
