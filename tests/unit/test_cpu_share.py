@@ -68,6 +68,7 @@ def test_idle_seconds_count_only_the_cpus_asked_for(tmp_path: Path) -> None:
                     "intr 12345\n")
     assert idle_cpu_seconds({1}, stat) == 650 / cpu_share.CLOCK_TICKS
     assert idle_cpu_seconds({0, 1}, stat) == 1000 / cpu_share.CLOCK_TICKS
+    assert idle_cpu_seconds({0}, tmp_path / "missing") == 0.0
 
 
 class FakeHost:

@@ -98,9 +98,14 @@ def _v1_quota(directory: Path) -> float | None:
 
 
 def idle_cpu_seconds(cpus: set[int], stat: Path = Path("/proc/stat")) -> float:
-    """Seconds ``cpus`` have spent idle (idle + iowait) since boot."""
+    """Seconds ``cpus`` have spent idle (idle + iowait) since boot; 0 where the kernel's
+    counters cannot be read (then no idle time is ever seen, and threads never grow)."""
+    try:
+        text = stat.read_text()
+    except OSError:
+        return 0.0
     ticks = 0
-    for line in stat.read_text().splitlines():
+    for line in text.splitlines():
         name, *fields = line.split()
         if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
             ticks += int(fields[3]) + int(fields[4])
