@@ -52,7 +52,7 @@ def test_cgroup_v1_cpu_controller(tmp_path: Path) -> None:
 
 
 def test_no_quota_anywhere_leaves_the_affinity_mask(tmp_path: Path) -> None:
-    write(tmp_path, "proc/self/cgroup", "1:cpu:/\n0::/\n")
+    write(tmp_path, "proc/self/cgroup", "1:cpu:/\n0::/\nnot a cgroup line\n")
     write(tmp_path, "sys/fs/cgroup/cpu/cpu.cfs_quota_us", "-1\n")
     write(tmp_path, "sys/fs/cgroup/cpu/cpu.cfs_period_us", "100000\n")
     assert cgroup_cpu_quota(tmp_path) is None

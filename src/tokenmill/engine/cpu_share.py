@@ -59,6 +59,8 @@ def cgroup_cpu_quota(root: Path = Path("/")) -> float | None:
         return None
     quotas = []
     for line in lines:
+        if line.count(":") < 2:
+            continue
         hierarchy, controllers, path = line.split(":", 2)
         if hierarchy == "0" and not controllers:
             quotas += _quotas(root / "sys/fs/cgroup", path, _v2_quota)
