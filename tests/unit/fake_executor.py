@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_core import EngineCore
 from tokenmill.core.request import EngineCoreRequest
-from tokenmill.core.types import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.types import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.sampling_params import SamplingParams
 
 VOCAB = 1000
@@ -103,14 +104,34 @@ def make_core(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 25
                       num_blocks, max_model_len, window)
 
 
-def run_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[str, list[int]]:
-    """Step until idle; return each request's committed tokens, checking integrity."""
-    tokens: dict[str, list[int]] = {}
+@dataclass
+class Run:
+    """What stepping a core until idle gave: each request's committed tokens, its final
+    output, and the preemptions the steps reported."""
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    finished: dict[str, EngineCoreOutput] = field(default_factory=dict)
+    preemptions: int = 0
+
+
+def run_steps(core: EngineCore, max_steps: int = 10_000) -> Run:
+    """Step until idle, checking the KV cache's integrity after every step."""
+    run = Run()
     for _ in range(max_steps):
         if not core.has_work():
             core.check_integrity()
-            return tokens
-        for out in core.step().outputs:
-            tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+            return run
+        out = core.step()
+        if out.iteration_stats:
+            run.preemptions += out.iteration_stats.num_preemptions
+        for o in out.outputs:
+            run.tokens.setdefault(o.req_id, []).extend(o.new_token_ids)
+            if o.finished:
+                run.finished[o.req_id] = o
         core.kv.check_integrity()
     raise AssertionError("engine did not go idle")
+
+
+def run_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[str, list[int]]:
+    """Step until idle; return each request's committed tokens, checking integrity."""
+    return run_steps(core, max_steps).tokens

@@ -9,6 +9,7 @@ from fake_executor import (
     expected_continuation,
     make_core,
     make_request,
+    run_steps,
     run_to_completion,
 )
 
@@ -95,19 +96,8 @@ def test_preemption_recomputes_and_never_restreams(prefix_caching: bool) -> None
     reqs = [make_request([i + 1] * 6, max_tokens=14) for i in range(4)]
     for r in reqs:
         core.add_request(r)
-    tokens: dict[str, list[int]] = {}
-    preemptions = 0
-    finished = {}
-    while core.has_work():
-        out = core.step()
-        if out.iteration_stats:
-            preemptions += out.iteration_stats.num_preemptions
-        for o in out.outputs:
-            tokens.setdefault(o.req_id, []).extend(o.new_token_ids)
-            if o.finished:
-                finished[o.req_id] = o
-        core.kv.check_integrity()
-    core.check_integrity()
+    run = run_steps(core)
+    tokens, preemptions, finished = run.tokens, run.preemptions, run.finished
     assert preemptions > 0
     for r in reqs:
         assert tokens[r.req_id] == expected_continuation(list(r.prompt_token_ids), 14)

@@ -7,7 +7,14 @@ from __future__ import annotations
 import random
 
 import pytest
-from fake_executor import VOCAB, expected_continuation, make_core, make_request, run_to_completion
+from fake_executor import (
+    VOCAB,
+    expected_continuation,
+    make_core,
+    make_request,
+    run_steps,
+    run_to_completion,
+)
 
 from tokenmill.core.kv_cache.manager import BEHIND_WINDOW
 
@@ -75,17 +82,8 @@ def test_preemption_with_released_blocks_recomputes_exactly(prefix_caching: bool
     requests = [make_request([i + 1] * 3, max_tokens=13) for i in range(4)]
     for request in requests:
         core.add_request(request)
-    tokens: dict[str, list[int]] = {}
-    preemptions = 0
-    while core.has_work():
-        out = core.step()
-        if out.iteration_stats:
-            preemptions += out.iteration_stats.num_preemptions
-        for o in out.outputs:
-            tokens.setdefault(o.req_id, []).extend(o.new_token_ids)
-        core.kv.check_integrity()
-    core.check_integrity()
-    assert preemptions > 0
+    run = run_steps(core)
+    assert run.preemptions > 0
     for request in requests:
-        assert tokens[request.req_id] == expected_continuation(
+        assert run.tokens[request.req_id] == expected_continuation(
             list(request.prompt_token_ids), 13, window_sum)
