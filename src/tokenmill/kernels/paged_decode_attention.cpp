@@ -14,7 +14,9 @@
 //
 // On AVX2 hosts float32 and bfloat16 heads of 64, 128 or 256 take a register-blocked path
 // (decode_attention_avx2): a KV head at a time, scores for 8 keys at once folded without a
-// horizontal sum per key, and each value row read once for up to 3 query heads.
+// horizontal sum per key, and each value row read once for up to 3 query heads. With
+// AVX-512 (decode_attention_avx512) the same plan in 16 lanes, and each key row too is
+// read and widened once for up to 3 query heads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

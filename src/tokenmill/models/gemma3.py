@@ -13,8 +13,8 @@ Its graph differs from Llama's (``llama``) in the layer, so it has its own::
 - sliding-window layers interleave with full ones (``ModelConfig.layer_types``), each
   kind with its own rotary base (the sliding ones ``sliding_rope_theta``, unscaled).
 
-Head size 256 (Gemma 3's) runs on the native decode kernel (its AVX2 register-blocked
-path); the native prefill kernel has no such head size, so prefills take SDPA
+Head size 256 (Gemma 3's) runs on the native decode kernel (its register-blocked AVX2
+or AVX-512 path); the native prefill kernel has no such head size, so prefills take SDPA
 (``NativeAttention`` chooses by the kernels' capabilities).
 """
 
