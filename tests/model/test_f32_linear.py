@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.kernels.linear import NativeInt4Weight
+from tokenmill.kernels.linear import NativeInt4Weight, NativeInt8GroupWeight
 
 
 @pytest.fixture
@@ -35,6 +35,20 @@ def assert_float32_sums(actual: torch.Tensor, exact: torch.Tensor, k: int) -> No
     assert ((actual.double() - exact).abs() <= bound).all()
 
 
+def int8_groups(out_features: int, in_features: int, gen: torch.Generator
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random int8 q and a scale per 32 inputs of a row, float16 values (as a GGUF Q8_0
+    block's d): q * scale is exact in float32."""
+    q = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(out_features, in_features // 32, generator=gen) / 100).half().float()
+    return q, scales
+
+
+def group_weight(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What int8 groups stand for, q * scale, in float64."""
+    return (q.double().view(q.shape[0], -1, 32) * scales.double()[..., None]).view(q.shape)
+
+
 # rows: 1 and 2 (decode steps: several panels at once), 7 (two row chunks), 40 (seven), 130
 # (a prefill: many chunks); outputs not a multiple of the 16-wide panel (nor of 8).
 @pytest.mark.parametrize("rows", [1, 2, 7, 40, 130])
@@ -55,14 +69,19 @@ def test_linear_matches_exact_arithmetic(ops, rows, out_features, in_features):
 
 
 # One or two rows take several panels at once (13 panels here: groups and a remainder on
-# each thread); more rows take them one by one. Each output is the same chain of FMAs
-# either way, so a row's result is bitwise the same alone, in a pair or in a batch.
-@pytest.mark.parametrize("kind", ["float32", "int8"])
-def test_linear_rows_do_not_depend_on_their_batch(ops, kind):
+# each thread); more rows take them one by one (or, int8 from 13 rows, through a float32
+# copy). Each output is the same chain of FMAs either way (int8 groups: over the same
+# weights q * scale), so a row's result is bitwise the same alone, in a pair or in a batch.
+@pytest.mark.parametrize("kind", ["float32", "int8", "int8_group"])
+def test_linear_rows_do_not_depend_on_their_batch(ops, native, kind):
     gen = torch.Generator().manual_seed(7)
-    out_features, in_features = 203, 70
+    out_features = 203
+    in_features = 96 if kind == "int8_group" else 70  # int8 groups: a multiple of 32
     x = torch.randn(40, in_features, generator=gen)
-    if kind == "float32":
+    if kind == "int8_group":
+        linear = NativeInt8GroupWeight(native, x.new_empty(out_features, in_features), None,
+                                       int8_groups(out_features, in_features, gen))
+    elif kind == "float32":
         packed = ops.pack_weight(torch.randn(out_features, in_features, generator=gen))
 
         def linear(rows):
@@ -128,6 +147,38 @@ def test_int8_linear_matches_exact_arithmetic(ops, rows, out_features, in_featur
     out = ops.int8_linear(x, packed, scales, out_features, bias, residual)
     assert out.shape == (rows, out_features)
     assert_float32_sums(out, expected(x, weight, bias, residual), in_features)
+
+
+# rows: 1 and 2 (several panels at once), 7 (row chunks), 130 (a widened copy of each panel)
+@pytest.mark.parametrize("rows", [1, 2, 7, 130])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (203, 96)])
+def test_int8_group_linear_matches_exact_arithmetic(ops, native, rows, out_features,
+                                                    in_features):
+    """int8 with a float16-valued scale per 32 inputs: x times the exact weights q * scale,
+    summed in float32."""
+    gen = torch.Generator().manual_seed(rows + out_features)
+    q, scales = int8_groups(out_features, in_features, gen)
+    bias = torch.randn(out_features, generator=gen)
+    fmt = NativeInt8GroupWeight(native, torch.empty(out_features, in_features), bias,
+                                (q, scales))
+    x = torch.randn(rows, 2 * in_features, generator=gen)[:, in_features:]  # strided rows
+    residual = torch.randn(rows, out_features, generator=gen)
+    weight = group_weight(q, scales)
+    assert_float32_sums(fmt(x), expected(x, weight, bias), in_features)
+    assert_float32_sums(fmt.add(x, residual), expected(x, weight, bias, residual), in_features)
+
+
+def test_int8_group_linear_rejects_bad_input(ops, native):
+    fmt = NativeInt8GroupWeight(native, torch.empty(64, 64), None,
+                                int8_groups(64, 64, torch.Generator().manual_seed(0)))
+    x = torch.randn(3, 64)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.int8_group_linear(x[:, :48], fmt.packed, fmt.scales, 64, None, None)
+    with pytest.raises(RuntimeError, match="scales"):
+        ops.int8_group_linear(x, fmt.packed, fmt.scales[:, :1], 64, None, None)
+    with pytest.raises(RuntimeError, match="int8_f32_pack_weight"):  # a float32 packing
+        ops.int8_group_linear(x, ops.pack_weight(torch.zeros(64, 64)), fmt.scales, 64, None,
+                              None)
 
 
 def test_int8_linear_rejects_bad_input(ops):

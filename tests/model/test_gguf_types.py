@@ -1,7 +1,7 @@
 """GGUF tensor types: every supported type loads bit for bit as the gguf package's reference
 dequantization computes it; ``--quantization gguf`` computes on the file's own blocks
-(as 4-bit planes) exactly; a file with an unsupported type, or truncated, fails with one
-clear ModelLoadError.
+(Q8_0 and Q5_0 as int8 with a scale per 32 inputs, others as 4-bit planes) exactly; a file
+with an unsupported type, or truncated, fails with one clear ModelLoadError.
 
 The files are written here, offline: tensors of the types the gguf package cannot
 quantize (and, to cover every bit pattern, all the others too) are random valid blocks.
@@ -23,10 +23,21 @@ from paged_runner import PagedRunner
 from transformers import AutoModelForCausalLM
 
 from tokenmill.errors import InvalidParameterError, ModelLoadError
-from tokenmill.kernels.linear import NativeInt4PlanesWeight, NativeInt4Weight
-from tokenmill.models.gguf_blocks import PLANE_TYPES, SUPPORTED_TYPES, FileRows
+from tokenmill.kernels.linear import (
+    NativeInt4PlanesWeight,
+    NativeInt4Weight,
+    NativeInt8GroupWeight,
+    NativeWeight,
+)
+from tokenmill.models.gguf_blocks import (
+    INT8_GROUP_TYPES,
+    PLANE_TYPES,
+    SUPPORTED_TYPES,
+    FileRows,
+)
 from tokenmill.models.gguf_loader import open_gguf
 from tokenmill.models.loader import load_model
+from tokenmill.models.torch_weights import OneDNNWeight
 from tokenmill.models.weight_formats import GGUFFormat, StackedRowsWeight, choose_weight_format
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,6 +45,7 @@ from tiny_model import make_tiny_model_dir  # noqa: E402
 
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16
+F32 = torch.float32
 TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
          Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 PROMPT = [4, 150, 23, 77, 310, 12, 9, 260, 45, 101, 33, 7, 88, 199, 5, 64, 2, 71]
@@ -95,12 +107,35 @@ def plane_values(planes, rows: int, cols: int, dtype: torch.dtype) -> torch.Tens
     return total
 
 
+def test_every_quantized_type_with_32_input_scales_takes_one_exact_route():
+    """Q8_0 and Q5_0 (d q) go to int8 groups; the types with a minimum and 4- or 5-bit q
+    to 4-bit planes; none to both."""
+    assert set(INT8_GROUP_TYPES) == {Q.Q8_0, Q.Q5_0}
+    assert set(PLANE_TYPES) == {Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_1, Q.Q5_K}
+
+
+@pytest.mark.parametrize("qtype", INT8_GROUP_TYPES, ids=lambda q: q.name)
+def test_int8_groups_reproduce_the_reference_dequantization(qtype):
+    """Q8_0 (d q) and Q5_0 (d (q - 16)) as int8 q and a float32 scale per 32 inputs, the
+    block's float16 d widened: q * scale is the reference, bit for bit in float32."""
+    rows = FileRows(qtype, random_blocks(qtype, 24, 512, np.random.default_rng(1), 0.05), 512)
+    q, scales = rows.int8_groups()
+    assert q.dtype == torch.int8 and q.shape == (24, 512)
+    assert scales.dtype == torch.float32 and scales.shape == (24, 512 // 32)
+    assert torch.equal(scales.half().float(), scales)
+    low, high = (-128, 127) if qtype == Q.Q8_0 else (-16, 15)
+    assert int(q.min()) == low and int(q.max()) == high  # every value, the extremes too
+    reference = torch.from_numpy(dequantize(rows.data, qtype).reshape(24, 512))
+    values = (q.float().view(24, -1, 32) * scales[..., None]).view(24, 512)
+    assert torch.equal(values, reference)
+
+
 @pytest.mark.parametrize("qtype", PLANE_TYPES, ids=lambda q: q.name)
 def test_4_bit_planes_reproduce_the_reference_dequantization(qtype):
     """Q4_0, Q4_1, Q4_K (one plane: Q4_K's 6-bit sub-scales and minimums expanded) and
-    Q5_0, Q5_1, Q5_K, Q8_0 (two) as a scale and a minimum per 32 inputs: the sum of
-    q * scale + min is the reference, bit for bit in float32, or for Q5_1 and Q5_K the
-    exact value that the reference rounds once to float32."""
+    Q5_1, Q5_K (two) as a scale and a minimum per 32 inputs: the sum of q * scale + min is
+    the reference, bit for bit in float32, or for Q5_1 and Q5_K the exact value that the
+    reference rounds once to float32."""
     rows = FileRows(qtype, random_blocks(qtype, 24, 512, np.random.default_rng(1), 0.05), 512)
     planes = rows.int4_planes()
     assert len(planes) == (1 if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else 2)
@@ -116,9 +151,88 @@ def test_4_bit_planes_reproduce_the_reference_dequantization(qtype):
         assert torch.equal(plane_values(planes, 24, 512, torch.float32), reference)
 
 
-def one_rounding_bound(exact: torch.Tensor, k: int) -> torch.Tensor:
-    """One bfloat16 rounding of the exact result, plus float32 summation error."""
-    return exact.abs() * 2.0**-8 + k * 2.0**-22 * exact.abs().max()
+def one_rounding_bound(exact: torch.Tensor, k: int, dtype: torch.dtype = BF16) -> torch.Tensor:
+    """One rounding of the exact result to ``dtype``, plus float32 summation error."""
+    unit = 2.0**-8 if dtype == BF16 else 2.0**-24
+    return exact.abs() * unit + k * 2.0**-22 * exact.abs().max()
+
+
+def float32_sums_bound(exact: torch.Tensor, terms: torch.Tensor, k: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """One rounding of the exact result to ``dtype``, plus the error of summing k terms in
+    float32 in any order, given ``terms``: the sum of their magnitudes."""
+    unit = 2.0**-8 if dtype == BF16 else 2.0**-24
+    return exact.abs() * unit + k * 2.0**-24 * terms
+
+
+def supported_or_skip(dtype: torch.dtype, native) -> None:
+    if not GGUFFormat.supports(dtype, native):
+        pytest.skip(f"this CPU has no native linear kernels for {dtype}")
+
+
+@pytest.mark.parametrize("qtype", INT8_GROUP_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=str)
+@pytest.mark.parametrize("batch", [1, 3, 17])
+def test_int8_group_kernel_on_file_blocks_matches_the_reference_matmul(native, qtype, dtype,
+                                                                      batch):
+    """``GGUFFormat`` puts Q8_0 and Q5_0 rows on the int8 kernel with a scale per 32 inputs,
+    which computes x @ W.T + b (+ residual) for W the reference dequantization within
+    float32 summation (and, in bfloat16, one rounding); each row's bits do not depend on
+    the batch. 200 outputs: panels of 32 and 16 with a partial last one, and (float32) runs
+    of several panels for one or two rows; 17 rows: chunks, or (float32) a widened copy."""
+    supported_or_skip(dtype, native)
+    out_features, in_features = 200, 512
+    rows = FileRows(qtype, random_blocks(qtype, out_features, in_features,
+                                         np.random.default_rng(2), 0.05), in_features)
+    reference = rows.dequantize()
+    gen = torch.Generator().manual_seed(batch)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    packed = choose_weight_format(dtype, CPU, "gguf", native).pack_rows(
+        reference.to(dtype), bias, [rows])
+    assert type(packed) is NativeInt8GroupWeight
+    x = torch.randn(batch, in_features, generator=gen).to(dtype)
+    residual = torch.randn(batch, out_features, generator=gen).to(dtype)
+    products = x.double().abs() @ reference.double().abs().T
+    for got, extra in [(packed(x), None), (packed.add(x, residual), residual)]:
+        assert got.dtype == dtype and got.shape == (batch, out_features)
+        exact = x.double() @ reference.double().T + bias.double()
+        terms = products + bias.double().abs()
+        if extra is not None:
+            exact, terms = exact + extra.double(), terms + extra.double().abs()
+        bound = float32_sums_bound(exact, terms, in_features + 2, dtype)
+        assert ((got.double() - exact).abs() <= bound).all()
+    alone = torch.cat([packed.add(x[r:r + 1], residual[r:r + 1]) for r in range(batch)])
+    assert torch.equal(alone, packed.add(x, residual))
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=str)
+def test_rows_of_mixed_types_are_packed_in_runs_of_one_route(native, dtype):
+    """A projection read from several tensors of different types (a fused qkv or gate_up)
+    is split where the route changes: Q4_K and Q5_K (planes, Q4_K's second one zero), Q8_0
+    and Q5_0 (int8 groups), Q6_K (dense, in the dtype), Q8_0 again (int8 groups); the
+    parts side by side compute x @ W.T + b."""
+    supported_or_skip(dtype, native)
+    in_features, rng = 512, np.random.default_rng(4)
+    shards = [FileRows(qtype, random_blocks(qtype, n, in_features, rng, 0.05), in_features)
+              for qtype, n in [(Q.Q4_K, 24), (Q.Q5_K, 40), (Q.Q8_0, 16), (Q.Q5_0, 32),
+                               (Q.Q6_K, 8), (Q.Q8_0, 24)]]
+    reference = torch.cat([r.dequantize() for r in shards])
+    gen = torch.Generator().manual_seed(5)
+    bias = torch.randn(reference.shape[0], generator=gen).to(dtype)
+    packed = choose_weight_format(dtype, CPU, "gguf", native).pack_rows(
+        reference.to(dtype), bias, shards)
+    assert isinstance(packed, StackedRowsWeight)
+    assert [type(part) for part in packed.parts[:2]] == [NativeInt4PlanesWeight,
+                                                        NativeInt8GroupWeight]
+    assert not isinstance(packed.parts[2], NativeInt4Weight | NativeInt8GroupWeight)
+    assert type(packed.parts[3]) is NativeInt8GroupWeight and len(packed.parts) == 4
+    x = torch.randn(5, in_features, generator=gen).to(dtype)
+    weight = reference.double()
+    weight[112:120] = reference[112:120].to(dtype).double()  # the dense rows, in the dtype
+    exact = x.double() @ weight.T + bias.double()
+    got = packed(x)
+    assert got.dtype == dtype
+    assert ((got.double() - exact).abs() <= one_rounding_bound(exact, 2 * in_features, dtype)).all()
 
 
 @pytest.mark.parametrize("qtype", PLANE_TYPES, ids=lambda q: q.name)
@@ -127,8 +241,7 @@ def test_int4_kernel_on_file_planes_matches_the_reference_matmul(native, qtype, 
     """``GGUFFormat`` puts a file's planes on the int4 kernel, which computes x @ W.T + b
     for W the reference dequantization, within the kernel's own arithmetic (one bfloat16
     rounding)."""
-    if not GGUFFormat.supports(BF16, native):
-        pytest.skip("this CPU has no bfloat16 native int4 kernel")
+    supported_or_skip(BF16, native)
     out_features, in_features = 40, 512
     rng = np.random.default_rng(2)
     rows = FileRows(qtype, random_blocks(qtype, out_features, in_features, rng, 0.05),
@@ -147,34 +260,39 @@ def test_int4_kernel_on_file_planes_matches_the_reference_matmul(native, qtype, 
     assert ((got - exact).abs() <= one_rounding_bound(exact, 2 * in_features)).all()
 
 
-def test_gguf_mode_computes_4_bit_rows_on_their_blocks(k_model_dir, tmp_path, native):
+def test_gguf_mode_computes_quantized_rows_on_their_blocks(k_model_dir, tmp_path, native):
     """--quantization gguf: projections whose rows are all Q4_K go to the int4 kernel with
-    the file's groups; a fused qkv of Q4_K and Q8_0 shards to it as two planes; one with a
-    Q6_K shard is split: q and k on the int4 kernel, v's values in the dtype; the logits
-    are about as close to the float32 reference as the bfloat16 model's."""
+    the file's groups, one of Q5_0 (a down projection, with the residual added in the
+    kernel) to the int8 kernel with the file's scales; a fused qkv of Q4_K and Q8_0 shards
+    is split: q and k on the int4 kernel, v on the int8 one; one with a Q6_K shard too: v's
+    values in the dtype; the logits are about as close to the float32 reference as the
+    bfloat16 model's."""
     if not GGUFFormat.supports(BF16, native):
-        pytest.skip("this CPU has no bfloat16 native int4 kernel")
+        pytest.skip("this CPU has no bfloat16 native linear kernels")
     path = str(tmp_path / "m.gguf")
     stored = write_gguf(k_model_dir, path, Q.Q4_K, overrides={
-        "blk.0.attn_v.weight": Q.Q6_K, "blk.1.attn_v.weight": Q.Q8_0})
+        "blk.0.attn_v.weight": Q.Q6_K, "blk.1.attn_v.weight": Q.Q8_0,
+        "blk.1.ffn_down.weight": Q.Q5_0})
     model, _ = load_model(path, BF16, CPU, "gguf", native)
     layer0, layer1 = model.model.layers
-    assert isinstance(layer1.mlp.down_proj.packed, NativeInt4Weight)
-    assert isinstance(layer1.self_attn.qkv_proj.packed, NativeInt4PlanesWeight)
-    split = layer0.self_attn.qkv_proj.packed
-    assert isinstance(split, StackedRowsWeight) and len(split.parts) == 2
-    assert isinstance(split.parts[0], NativeInt4Weight)  # q and k
-    assert not isinstance(split.parts[1], NativeInt4Weight | NativeInt4PlanesWeight)  # v
-    # the packed planes are the file's: the kernel times the identity gives the weights
+    assert isinstance(layer0.mlp.down_proj.packed, NativeInt4Weight)
+    assert isinstance(layer1.mlp.down_proj.packed, NativeInt8GroupWeight)
+    for split, v_kind in [(layer0.self_attn.qkv_proj.packed, NativeWeight | OneDNNWeight),
+                          (layer1.self_attn.qkv_proj.packed, NativeInt8GroupWeight)]:
+        assert isinstance(split, StackedRowsWeight) and len(split.parts) == 2
+        assert isinstance(split.parts[0], NativeInt4Weight)  # q and k
+        assert isinstance(split.parts[1], v_kind)
+    # the packed blocks are the file's: the kernel times the identity gives the weights
     for linear, names, inputs in [
         (layer0.self_attn.qkv_proj, ["self_attn.q_proj", "self_attn.k_proj",
                                      "self_attn.v_proj"], 256),
+        (layer0.mlp.down_proj, ["mlp.down_proj"], 512),
         (layer1.mlp.down_proj, ["mlp.down_proj"], 512),
         (layer1.self_attn.qkv_proj, ["self_attn.q_proj", "self_attn.k_proj",
                                      "self_attn.v_proj"], 256),
     ]:
         got = linear.packed(torch.eye(inputs, dtype=BF16)).float().t()
-        layer = 0 if linear is layer0.self_attn.qkv_proj else 1
+        layer = 0 if linear in (layer0.self_attn.qkv_proj, layer0.mlp.down_proj) else 1
         weight = torch.cat([stored[f"model.layers.{layer}.{n}.weight"] for n in names])
         assert torch.equal(got, weight.to(BF16).float())
     ref = AutoModelForCausalLM.from_pretrained(k_model_dir, dtype=torch.float32).eval()

@@ -1,12 +1,14 @@
 // Linear layers with bfloat16 activations on AVX512-BF16, over weights in bfloat16, in
-// int8 with one float32 scale per output row, or in 4 bits with a float32 scale and
-// minimum per 32 inputs of a row:
+// int8 with one float32 scale per output row or per 32 inputs of a row, or in 4 bits with
+// a float32 scale and minimum per 32 inputs of a row:
 //
 //   bf16_pack_weight(w [N, K] bfloat16)                   -> packed (the layout below)
 //   bf16_linear(x [M, K], packed, N, bias?, residual?)    -> x @ w.T (+ bias) (+ residual)
 //   int8_pack_weight(q [N, K] int8)                       -> packed (the same layout)
 //   int8_linear(x [M, K], packed, scales [N], N, bias?, residual?)
 //                                                         -> (x @ q.T) * scales (+ ...)
+//   int8_group_linear(x [M, K], packed, scales, N, bias?, residual?)
+//                                   -> x @ (q * scale).T (+ ...)   (see Int8GroupWeights)
 //   int4_linear(x [M, K], packed, scales, mins, N, bias?, residual?)
 //                                   -> x @ (q * scale + min).T (+ ...)   (see Int4Weights)
 //
@@ -45,6 +47,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <initializer_list>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -61,13 +64,16 @@ int64_t even(int64_t k) { return (k + 1) / 2 * 2; }
 int64_t panels_for(int64_t n) { return (n + kPanel - 1) / kPanel; }
 
 // Weight elements of one kind: how a pair record (32 outputs x 2 inputs) is stored, and
-// read into two VDPBF16PS operands (outputs 0-15 and 16-31 of the panel).
+// read into two VDPBF16PS operands (outputs 0-15 and 16-31 of the panel). A grouped kind
+// (kGroup > 0) has float32 numbers per kGroup inputs of each output, which the panels
+// apply to each group's sums (group_panel_kernel); the others have kGroup 0.
 struct BF16Weights {
   using Elem = uint16_t;
   static constexpr int kMaxRows = 12;  // rows per micro-kernel call: 2 x 12 accumulators
   static constexpr int64_t kRecord = 64;  // elements per pair record
   static constexpr int kLines = 2;  // cache lines per record
   static constexpr int64_t kPackedDims = 5;  // [panels, K / 2, 2, 16, 2]
+  static constexpr int64_t kGroup = 0;
   static inline void load(const Elem* record, __m512bh& w0, __m512bh& w1) {
     w0 = (__m512bh)_mm512_loadu_si512(record);
     w1 = (__m512bh)_mm512_loadu_si512(record + 32);
@@ -80,6 +86,7 @@ struct Int8Weights {
   static constexpr int64_t kRecord = 64;
   static constexpr int kLines = 1;
   static constexpr int64_t kPackedDims = 5;
+  static constexpr int64_t kGroup = 0;
   // 16 int8 (8 lanes' pairs) -> float32, exact
   static inline __m512 widen(const Elem* src) {
     return _mm512_cvtepi32_ps(
@@ -90,6 +97,16 @@ struct Int8Weights {
     w0 = _mm512_cvtne2ps_pbh(widen(record + 16), widen(record));
     w1 = _mm512_cvtne2ps_pbh(widen(record + 48), widen(record + 32));
   }
+};
+
+// int8 weights in groups of kGroup inputs, each (output, group) with a float32 scale:
+// w = q * scale (a GGUF Q8_0 block: its float16 d widened). Stored as Int8Weights
+// (int8_pack_weight). The products run on q (exact in bfloat16) and each group's float32
+// sum is scaled: sum_k x_k w_k = scale * sum_k x_k q_k.
+struct Int8GroupWeights : Int8Weights {
+  static constexpr int kMaxRows = 6;  // 2 x 6 group sums + 2 x 6 totals in registers
+  static constexpr int64_t kGroup = 32;
+  static constexpr bool kMins = false;
 };
 
 // 4-bit weights in groups of kGroup inputs, each (output, group) with a float32 scale and
@@ -104,6 +121,7 @@ struct Int4Weights {
   static constexpr int kLines = 1;
   static constexpr int64_t kPackedDims = 4;  // [panels, K / 2, 2, 16]
   static constexpr int64_t kGroup = 32;
+  static constexpr bool kMins = true;
   static inline void load(const Elem* record, __m512bh& w0, __m512bh& w1) {
     // bfloat16 bits of 0.0 .. 15.0, looked up by each 16-bit index
     const __m512i table = _mm512_set_epi16(
@@ -193,15 +211,14 @@ inline void multiply_pair(const uint16_t* x, int64_t x_stride, int64_t i,
   }
 }
 
-// Rows x[0 .. ROWS) (k inputs each) times one panel: acc[r][h] lanes are the outputs
-// 32 p + 16 h + lane of row r.
+// acc[r][h] += rows x[0 .. ROWS) times the panel's pair records [begin, end) (full pairs).
+// ``turn``: where the requests for the next panel stand (see Ahead), carried from one call
+// to the next over the same panel.
 template <typename W, int ROWS>
-inline void panel_kernel(const uint16_t* x, int64_t x_stride, int64_t k,
-                         const typename W::Elem* panel, Ahead<W> ahead,
-                         __m512 (&acc)[kMaxRows][2]) {
-  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const int64_t pairs = k / 2;  // full pairs; an odd K's last input pairs with a zero
-  for (int64_t kp = 0, turn = ahead.pass; kp < pairs; ++kp, ++turn) {
+inline void multiply_pairs(const uint16_t* x, int64_t x_stride, int64_t begin, int64_t end,
+                           const typename W::Elem* panel, Ahead<W> ahead, int64_t& turn,
+                           __m512 (&acc)[kMaxRows][2]) {
+  for (int64_t kp = begin; kp < end; ++kp, ++turn) {
     if (turn == ahead.passes) turn = 0;
     if (ahead.panel && turn == 0) {
       const char* record = reinterpret_cast<const char*>(ahead.panel + kp * W::kRecord);
@@ -211,6 +228,18 @@ inline void panel_kernel(const uint16_t* x, int64_t x_stride, int64_t k,
     }
     multiply_pair<W, ROWS>(x, x_stride, 2 * kp, panel + kp * W::kRecord, acc, ReadPair{});
   }
+}
+
+// Rows x[0 .. ROWS) (k inputs each) times one panel of an ungrouped kind: acc[r][h] lanes
+// are the outputs 32 p + 16 h + lane of row r.
+template <typename W, int ROWS>
+inline void panel_kernel(const uint16_t* x, int64_t x_stride, int64_t k,
+                         const typename W::Elem* panel, Ahead<W> ahead,
+                         __m512 (&acc)[kMaxRows][2]) {
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int64_t pairs = k / 2;  // full pairs; an odd K's last input pairs with a zero
+  int64_t turn = ahead.pass;
+  multiply_pairs<W, ROWS>(x, x_stride, 0, pairs, panel, ahead, turn, acc);
   if (k % 2) {
     multiply_pair<W, ROWS>(x, x_stride, k - 1, panel + pairs * W::kRecord, acc, ReadLast{});
   }
@@ -236,7 +265,8 @@ struct Operands {
   const uint16_t* x;
   int64_t x_stride, k, n;
   const float* scales;  // per output, or null (1)
-  // int4 only: [panels, groups, 32] scales and minimums, [M, groups] sums of x per group
+  // grouped kinds only: [panels, groups, 32] scales, and for int4 also minimums and
+  // [M, groups] sums of x per group
   const float* group_scales;
   const float* group_mins;
   const float* x_sums;
@@ -247,37 +277,34 @@ struct Operands {
   int64_t out_stride;
 };
 
-// int4's pass over a panel, group by group: each group's sums of x q go into part, then
-// into acc scaled by the group's scale, plus its minimum times the group's sum of x.
-template <int ROWS>
-inline void int4_panel_kernel(const Operands& op, int64_t row, const uint8_t* panel,
-                              Ahead<Int4Weights> ahead, int64_t p,
-                              __m512 (&acc)[kMaxRows][2]) {
-  constexpr int64_t kGroupPairs = Int4Weights::kGroup / 2;
-  const int64_t groups = op.k / Int4Weights::kGroup;
+// A grouped kind's pass over a panel, group by group: each group's sums of x q go into
+// part, then into acc scaled by the group's scale (and for int4 plus its minimum times the
+// group's sum of x). Rows [row, row + ROWS) of the call; acc as panel_kernel's.
+template <typename W, int ROWS>
+inline void group_panel_kernel(const Operands& op, int64_t row, const typename W::Elem* panel,
+                               Ahead<W> ahead, int64_t p, __m512 (&acc)[kMaxRows][2]) {
+  constexpr int64_t kGroupPairs = W::kGroup / 2;
+  const int64_t groups = op.k / W::kGroup;
   const float* scales = op.group_scales + p * groups * kPanel;
-  const float* mins = op.group_mins + p * groups * kPanel;
   const uint16_t* x = op.x + row * op.x_stride;
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t g = 0, turn = ahead.pass; g < groups; ++g) {
+  int64_t turn = ahead.pass;
+  for (int64_t g = 0; g < groups; ++g) {
     __m512 part[kMaxRows][2];
     for (int r = 0; r < ROWS; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
-    for (int64_t kp = g * kGroupPairs; kp < (g + 1) * kGroupPairs; ++kp, ++turn) {
-      if (turn == ahead.passes) turn = 0;
-      if (ahead.panel && turn == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(ahead.panel + kp * Int4Weights::kRecord),
-                     _MM_HINT_T1);
-      }
-      multiply_pair<Int4Weights, ROWS>(x, op.x_stride, 2 * kp,
-                                       panel + kp * Int4Weights::kRecord, part, ReadPair{});
-    }
+    multiply_pairs<W, ROWS>(x, op.x_stride, g * kGroupPairs, (g + 1) * kGroupPairs, panel,
+                            ahead, turn, part);
     for (int h = 0; h < 2; ++h) {
       const __m512 scale = _mm512_loadu_ps(scales + g * kPanel + 16 * h);
-      const __m512 min = _mm512_loadu_ps(mins + g * kPanel + 16 * h);
       for (int r = 0; r < ROWS; ++r) {
         acc[r][h] = _mm512_fmadd_ps(part[r][h], scale, acc[r][h]);
-        acc[r][h] = _mm512_fmadd_ps(_mm512_set1_ps(op.x_sums[(row + r) * groups + g]), min,
-                                    acc[r][h]);
+      }
+      if constexpr (W::kMins) {
+        const __m512 min = _mm512_loadu_ps(op.group_mins + (p * groups + g) * kPanel + 16 * h);
+        for (int r = 0; r < ROWS; ++r) {
+          acc[r][h] = _mm512_fmadd_ps(_mm512_set1_ps(op.x_sums[(row + r) * groups + g]), min,
+                                      acc[r][h]);
+        }
       }
     }
   }
@@ -288,8 +315,8 @@ template <typename W, int ROWS>
 void rows_times_panel(const Operands& op, int64_t row, const typename W::Elem* panel,
                       Ahead<W> ahead, int64_t p) {
   __m512 acc[kMaxRows][2];
-  if constexpr (std::is_same_v<W, Int4Weights>) {
-    int4_panel_kernel<ROWS>(op, row, panel, ahead, p, acc);
+  if constexpr (W::kGroup > 0) {
+    group_panel_kernel<W, ROWS>(op, row, panel, ahead, p, acc);
   } else {
     panel_kernel<W, ROWS>(op.x + row * op.x_stride, op.x_stride, op.k, panel, ahead, acc);
   }
@@ -326,7 +353,7 @@ const uint16_t* bits_of(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
 }
 
-// int4's per-group operands (see Operands); all null for the other kinds.
+// A grouped kind's per-group operands (see Operands); all null for the other kinds.
 struct GroupOperands {
   const float* scales = nullptr;
   const float* mins = nullptr;
@@ -394,6 +421,33 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                              residual, at::kChar, "int8_pack_weight");
 }
 
+// The checks of a grouped kind's x (K a multiple of W::kGroup) and of its per-group
+// tensors ``params``, each [panels, K / kGroup, kPanel] float32 (``names`` says which).
+template <typename W>
+void check_groups(const at::Tensor& x, std::initializer_list<const at::Tensor*> params,
+                  int64_t out_features, const char* names) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % W::kGroup == 0 && x.stride(1) == 1 &&
+                  x.scalar_type() == at::kBFloat16,
+              "x must be [M, K] bfloat16 with contiguous rows, K a multiple of ", W::kGroup);
+  for (const at::Tensor* t : params) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == panels_for(out_features) &&
+                    t->size(1) == x.size(1) / W::kGroup && t->size(2) == kPanel &&
+                    t->is_contiguous() && t->scalar_type() == at::kFloat,
+                names, " must be [panels, K / ", W::kGroup, ", ", kPanel, "] float32");
+  }
+}
+
+// packed: int8_pack_weight's; scales [panels, K / 32, 32] float32 (output 32 p + o of
+// panel p at [p, group, o]).
+at::Tensor int8_group_linear(const at::Tensor& x, const at::Tensor& packed,
+                             const at::Tensor& scales, int64_t out_features,
+                             const std::optional<at::Tensor>& bias,
+                             const std::optional<at::Tensor>& residual) {
+  check_groups<Int8GroupWeights>(x, {&scales}, out_features, "scales");
+  return linear<Int8GroupWeights>(x, packed, nullptr, {scales.data_ptr<float>()},
+                                  out_features, bias, residual, at::kChar, "int8_pack_weight");
+}
+
 // packed [panels, K / 2, 2, 16] uint8 as Int4Weights describes; scales and mins
 // [panels, K / 32, 32] float32 (output 32 p + o of panel p at [p, group, o]).
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -401,16 +455,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                        const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& residual) {
   constexpr int64_t kGroup = Int4Weights::kGroup;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0 && x.stride(1) == 1 &&
-                  x.scalar_type() == at::kBFloat16,
-              "x must be [M, K] bfloat16 with contiguous rows, K a multiple of ", kGroup);
+  check_groups<Int4Weights>(x, {&scales, &mins}, out_features, "scales and mins");
   const int64_t m = x.size(0), groups = x.size(1) / kGroup;
-  for (const at::Tensor* t : {&scales, &mins}) {
-    TORCH_CHECK(t->dim() == 3 && t->size(0) == panels_for(out_features) &&
-                    t->size(1) == groups && t->size(2) == kPanel && t->is_contiguous() &&
-                    t->scalar_type() == at::kFloat,
-                "scales and mins must be [panels, K / ", kGroup, ", ", kPanel, "] float32");
-  }
   // each row's sum of x over each group, for the minimums
   at::Tensor x_sums = at::empty({m, groups}, x.options().dtype(at::kFloat));
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
@@ -441,6 +487,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("int8_pack_weight(Tensor weight) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, int out_features, Tensor? bias, "
         "Tensor? residual) -> Tensor");
+  m.def("int8_group_linear(Tensor x, Tensor packed, Tensor scales, int out_features, "
+        "Tensor? bias, Tensor? residual) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int out_features, "
         "Tensor? bias, Tensor? residual) -> Tensor");
 }
@@ -450,6 +498,7 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("bf16_linear", &bf16_linear);
   m.impl("int8_pack_weight", &int8_pack_weight);
   m.impl("int8_linear", &int8_linear);
+  m.impl("int8_group_linear", &int8_group_linear);
   m.impl("int4_linear", &int4_linear);
 }
 

@@ -1,12 +1,14 @@
 // Linear layers with float32 activations on AVX2 + FMA, over weights in float32, in int8
-// with one float32 scale per output row, or in 4 bits with a float32 scale and minimum
-// per 32 inputs of a row:
+// with one float32 scale per output row or per 32 inputs of a row, or in 4 bits with a
+// float32 scale and minimum per 32 inputs of a row:
 //
 //   f32_pack_weight(w [N, K] float32)                     -> packed (the layout below)
 //   f32_linear(x [M, K], packed, N, bias?, residual?)     -> x @ w.T (+ bias) (+ residual)
 //   int8_f32_pack_weight(q [N, K] int8)                   -> packed (the same layout)
 //   int8_f32_linear(x [M, K], packed, scales [N], N, bias?, residual?)
 //                                                         -> (x @ q.T) * scales (+ ...)
+//   int8_group_f32_linear(x [M, K], packed, scales, N, bias?, residual?)
+//                                   -> x @ (q * scale).T (+ ...)   (see Int8GroupWeights)
 //   int4_f32_linear(x [M, K], packed, scales, mins, N, bias?, residual?)
 //                                   -> x @ (q * scale + min).T (+ ...)   (see Int4Weights)
 //
@@ -33,7 +35,8 @@
 // decode step's few sequences) take several panels at once instead, so that enough
 // independent FMAs are in flight to keep up with memory. With more than two
 // chunks, an int8 panel is widened once into a float32 copy, which the chunks then share;
-// an int4 panel always is (its values, scaled and shifted, are the weights).
+// an int4 panel always is (its values, scaled and shifted, are the weights). Grouped int8
+// weights take the int8 paths, scaled as they are read (see Int8GroupWeights).
 //
 // Built only for CPUs with AVX2 and FMA but no AVX-512F (the compiler targets the host):
 // with AVX-512, oneDNN's 16-lane float32 kernels have twice this peak, and these ops do not
@@ -49,6 +52,7 @@
 
 #include <algorithm>
 #include <array>
+#include <initializer_list>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -74,10 +78,13 @@ constexpr int64_t kLine = 64;  // bytes per cache line
 
 int64_t panels_for(int64_t n) { return (n + kPanel - 1) / kPanel; }
 
-// Weight elements of one kind: one input's 16 outputs (a record) read into two registers.
+// Weight elements of one kind: one input's 16 outputs (a record) read into two registers
+// (load_input). A grouped kind (kGroup > 0) has float32 numbers per kGroup inputs of each
+// output; the others have kGroup 0.
 struct F32Weights {
   using Elem = float;
   static constexpr int64_t kInputsPerRecord = 1;
+  static constexpr int64_t kGroup = 0;
   static inline void load(const Elem* record, __m256& w0, __m256& w1) {
     w0 = _mm256_loadu_ps(record);
     w1 = _mm256_loadu_ps(record + 8);
@@ -87,6 +94,7 @@ struct F32Weights {
 struct Int8Weights {
   using Elem = int8_t;
   static constexpr int64_t kInputsPerRecord = 1;
+  static constexpr int64_t kGroup = 0;
   // |q| <= 127 is exact in float32
   static inline void load(const Elem* record, __m256& w0, __m256& w1) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(record));
@@ -94,6 +102,26 @@ struct Int8Weights {
     w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
   }
 };
+
+// int8 weights in groups of kGroup inputs, each (output, group) with a float32 scale:
+// w = q * scale (a GGUF Q8_0 block: its float16 d widened), stored as Int8Weights
+// (int8_f32_pack_weight); scales are [panels, K / kGroup, 16]. Each record is scaled as it
+// is read, so every path (several panels, row chunks, a widened copy) multiplies x by the
+// same float32 weights: q * scale, exact where the scale has at most 16 significant bits
+// (a float16's 11), so the output is x @ w.T summed in float32.
+struct Int8GroupWeights : Int8Weights {
+  static constexpr int64_t kGroup = 32;
+  // ``scales``: the record's group's 16 scales
+  static inline void load(const Elem* record, const float* scales, __m256& w0, __m256& w1) {
+    Int8Weights::load(record, w0, w1);
+    w0 = _mm256_mul_ps(w0, _mm256_loadu_ps(scales));
+    w1 = _mm256_mul_ps(w1, _mm256_loadu_ps(scales + 8));
+  }
+};
+
+// The int8 kinds, which share their paths (several panels, row chunks, widening).
+template <typename W>
+constexpr bool kInt8 = std::is_base_of_v<Int8Weights, W>;
 
 // 4-bit weights in groups of kGroup inputs, each (output, group) with a float32 scale and
 // minimum: w = q * scale + min, q in 0..15. A record holds two inputs' 16 outputs in 16
@@ -136,6 +164,28 @@ at::Tensor int8_f32_pack_weight(const at::Tensor& weight) {
   return pack_weight<Int8Weights>(weight);
 }
 
+// A grouped kind's numbers per panel, [K / kGroup, kPanel] float32; 0 for the others.
+template <typename W>
+constexpr int64_t group_scales_size(int64_t k) {
+  if constexpr (W::kGroup > 0) {
+    return k / W::kGroup * kPanel;
+  } else {
+    return 0;
+  }
+}
+
+// Input i's record of a panel into two registers; ``scales``: the panel's group scales
+// (grouped kinds; the others ignore it).
+template <typename W>
+inline void load_input(const typename W::Elem* panel, const float* scales, int64_t i,
+                       __m256& w0, __m256& w1) {
+  if constexpr (W::kGroup > 0) {
+    W::load(panel + i * kPanel, scales + i / W::kGroup * kPanel, w0, w1);
+  } else {
+    W::load(panel + i * kPanel, w0, w1);
+  }
+}
+
 // The next panel to request into cache meanwhile: ``Ahead{next, pass, passes}`` requests
 // every ``passes``-th cache line of it, from the ``pass``-th on, so that the passes over
 // one panel together request the whole next one and memory streams all along.
@@ -145,21 +195,23 @@ struct Ahead {
 };
 
 // Rows x[0 .. ROWS) (k inputs each) times PANELS consecutive panels (panel_size elements
-// apart): acc[ROWS * j + r][h] lanes are the outputs 16 (p + j) + 8 h + lane of row r, for
-// the first panel p. Every output is one chain of FMAs over the inputs in order, however
-// many rows and panels go together, so a row's result does not depend on its batch. With
-// one or two rows, several panels at once give the FMA units enough independent chains
-// (an FMA waits for the previous one of its chain). The sums build in named registers
-// (s<slot><half>), copied out once: with an array indexed in the loop, GCC also stores
-// every sum to the stack at every input, which halves the speed.
+// apart; ``scales``: the first one's group scales, the others' following it, or null for
+// an ungrouped kind): acc[ROWS * j + r][h] lanes are the outputs 16 (p + j) + 8 h + lane of
+// row r, for the first panel p. Every output is one chain of FMAs over the inputs in
+// order, however many rows and panels go together, so a row's result does not depend on
+// its batch. With one or two rows, several panels at once give the FMA units enough
+// independent chains (an FMA waits for the previous one of its chain). The sums build in
+// named registers (s<slot><half>), copied out once: with an array indexed in the loop, GCC
+// also stores every sum to the stack at every input, which halves the speed.
 template <typename W, int ROWS, int PANELS = 1>
 inline void panel_kernel(const float* x, int64_t x_stride, int64_t k,
-                         const typename W::Elem* panel, int64_t panel_size, Ahead ahead,
-                         __m256 (&acc)[kMaxRows][2]) {
+                         const typename W::Elem* panel, int64_t panel_size,
+                         const float* scales, Ahead ahead, __m256 (&acc)[kMaxRows][2]) {
   static_assert(ROWS >= 1 && PANELS >= 1 && ROWS * PANELS <= kMaxRows);
   static_assert(PANELS == 1 || ROWS <= 2, "several panels only for one or two rows");
   constexpr int64_t kRecordsPerLine = kLine / (kPanel * sizeof(typename W::Elem));
   const int64_t panel_bytes = panel_size * static_cast<int64_t>(sizeof(typename W::Elem));
+  const int64_t scales_size = group_scales_size<W>(k);
   __m256 s00, s01, s10, s11, s20, s21, s30, s31, s40, s41, s50, s51;
   s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = s40 = s41 = s50 = s51 = _mm256_setzero_ps();
   for (int64_t i = 0, turn = ahead.pass; i < k; ++i) {
@@ -175,7 +227,9 @@ inline void panel_kernel(const float* x, int64_t x_stride, int64_t k,
       ++turn;
     }
     __m256 w0[PANELS], w1[PANELS];
-    for (int j = 0; j < PANELS; ++j) W::load(panel + j * panel_size + i * kPanel, w0[j], w1[j]);
+    for (int j = 0; j < PANELS; ++j) {
+      load_input<W>(panel + j * panel_size, scales + j * scales_size, i, w0[j], w1[j]);
+    }
     // Each slot broadcasts its row's input itself: with all rows' broadcasts held at once,
     // six rows need more registers than there are.
 #define TOKENMILL_SLOT(n)                                                       \
@@ -198,8 +252,8 @@ struct Operands {
   const float* x;
   int64_t x_stride, k, n;
   const float* scales;  // per output, or null (1)
-  const float* group_scales;  // int4 only: [panels, K / 32, 16] scales and minimums,
-  const float* group_mins;
+  const float* group_scales;  // grouped kinds only: [panels, K / 32, 16] scales,
+  const float* group_mins;  // and for int4 minimums
   const float* x_sums;  // and [M, K / 32] sums of each row of x per group
 
   const float* bias;  // per output, or null
@@ -266,6 +320,16 @@ inline void int4_panel_kernel(const Operands& op, int64_t row, const uint8_t* pa
   }
 }
 
+// Panel p's group scales (grouped kinds: its block of op.group_scales), else null.
+template <typename W>
+inline const float* group_scales_of(const Operands& op, int64_t p) {
+  if constexpr (W::kGroup > 0) {
+    return op.group_scales + p * group_scales_size<W>(op.k);
+  } else {
+    return nullptr;
+  }
+}
+
 // Panel p's outputs of rows [row, row + rows) from their sums (acc[r] for row row + r):
 // scale, bias and residual applied, stored.
 inline void store_panel(const Operands& op, int64_t row, int rows, int64_t p,
@@ -294,7 +358,8 @@ void rows_times_panel(const Operands& op, int64_t row, const typename W::Elem* p
   if constexpr (std::is_same_v<W, Int4Weights>) {
     int4_panel_kernel<ROWS>(op, row, panel, ahead, p, acc);
   } else {
-    panel_kernel<W, ROWS>(op.x + row * op.x_stride, op.x_stride, op.k, panel, 0, ahead, acc);
+    panel_kernel<W, ROWS>(op.x + row * op.x_stride, op.x_stride, op.k, panel, 0,
+                          group_scales_of<W>(op, p), ahead, acc);
   }
   store_panel(op, row, ROWS, p, acc);
 }
@@ -306,6 +371,7 @@ void rows_times_panels(const Operands& op, const typename W::Elem* panel, int64_
                        const void* next, int64_t p) {
   __m256 acc[kMaxRows][2];
   panel_kernel<W, ROWS, PANELS>(op.x, op.x_stride, op.k, panel, panel_size,
+                                group_scales_of<W>(op, p),
                                 Ahead{static_cast<const char*>(next), 0, 1}, acc);
   for (int j = 0; j < PANELS; ++j) store_panel(op, 0, ROWS, p + j, acc + ROWS * j);
 }
@@ -346,22 +412,25 @@ void panel_times_rows(const Operands& op, int64_t m, const typename W::Elem* pan
 // of rows.
 constexpr int64_t kWidenFromRows = 2 * kMaxRows + 1;
 
-// Panel p of int8 weights as float32 into dst (its [K, 16] layout), requesting ``next``
-// (the next panel, or null) into cache meanwhile.
-void widen_panel(const Operands& op, const int8_t* panel, int64_t, const int8_t* next,
-                 float* dst) {
+// Panel p of an int8 kind as float32 into dst (its [K, 16] layout), as load_input reads it
+// (q, or q * scale), requesting ``next`` (the next panel, or null) into cache meanwhile.
+template <typename W>
+void widen_panel(const Operands& op, const typename W::Elem* panel, int64_t p,
+                 const typename W::Elem* next, float* dst) {
+  const float* scales = group_scales_of<W>(op, p);
   for (int64_t i = 0; i < op.k; ++i) {
     if (next && i % (kLine / kPanel) == 0) _mm_prefetch(next + i * kPanel, _MM_HINT_T1);
     __m256 w0, w1;
-    Int8Weights::load(panel + i * kPanel, w0, w1);
+    load_input<W>(panel, scales, i, w0, w1);
     _mm256_storeu_ps(dst + i * kPanel, w0);
     _mm256_storeu_ps(dst + i * kPanel + 8, w1);
   }
 }
 
 // Panel p of int4 weights as float32 (q * scale + min) into dst, likewise.
-void widen_panel(const Operands& op, const uint8_t* panel, int64_t p, const uint8_t* next,
-                 float* dst) {
+template <>
+void widen_panel<Int4Weights>(const Operands& op, const uint8_t* panel, int64_t p,
+                              const uint8_t* next, float* dst) {
   constexpr int64_t kGroupRecords = Int4Weights::kGroup / 2;
   const int64_t groups = op.k / Int4Weights::kGroup;
   const float* scales = op.group_scales + p * groups * kPanel;
@@ -388,7 +457,7 @@ void widen_panel(const Operands& op, const uint8_t* panel, int64_t p, const uint
   }
 }
 
-// int4's per-group operands (see Operands); all null for the other kinds.
+// A grouped kind's per-group operands (see Operands); all null for the other kinds.
 struct GroupOperands {
   const float* scales = nullptr;
   const float* mins = nullptr;
@@ -420,7 +489,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const float* sc
   const auto* weights = reinterpret_cast<const typename W::Elem*>(packed.data_ptr());
   const int64_t panel_size = packed.size(1) * kPanel;  // elements
   bool widen = false;
-  if constexpr (std::is_same_v<W, Int8Weights>) widen = m >= kWidenFromRows;
+  if constexpr (kInt8<W>) widen = m >= kWidenFromRows;
   if constexpr (std::is_same_v<W, Int4Weights>) widen = m > kInt4DirectRows;
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> widened(widen ? k * kPanel : 0);
@@ -446,9 +515,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const float* sc
       if constexpr (std::is_same_v<W, F32Weights>) {
         panel_times_rows<W>(op, m, panel, next, p);
       } else if (widen) {
-        widen_panel(op, panel, p, next, widened.data());
+        widen_panel<W>(op, panel, p, next, widened.data());
         panel_times_rows<F32Weights>(op, m, widened.data(), nullptr, p);
-      } else if constexpr (std::is_same_v<W, Int8Weights>) {
+      } else if constexpr (kInt8<W>) {
         panel_times_rows<W>(op, m, panel, next, p);
       } else {  // int4, a single chunk of rows
         kRowsFns<W>[m - 1](op, 0, panel, Ahead{reinterpret_cast<const char*>(next), 0, 1}, p);
@@ -476,6 +545,34 @@ at::Tensor int8_f32_linear(const at::Tensor& x, const at::Tensor& packed,
                              residual, at::kChar, "int8_f32_pack_weight");
 }
 
+// The checks of a grouped kind's x's shape (K a multiple of W::kGroup; linear checks the
+// rest) and of its per-group tensors ``params``, each [panels, K / kGroup, kPanel]
+// float32 (``names`` says which).
+template <typename W>
+void check_groups(const at::Tensor& x, std::initializer_list<const at::Tensor*> params,
+                  int64_t out_features, const char* names) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % W::kGroup == 0,
+              "x must be [M, K] with K a multiple of ", W::kGroup);
+  for (const at::Tensor* t : params) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == panels_for(out_features) &&
+                    t->size(1) == x.size(1) / W::kGroup && t->size(2) == kPanel &&
+                    t->is_contiguous() && t->scalar_type() == at::kFloat,
+                names, " must be [panels, K / ", W::kGroup, ", ", kPanel, "] float32");
+  }
+}
+
+// packed: int8_f32_pack_weight's; scales [panels, K / 32, 16] float32 (output 16 p + o of
+// panel p at [p, group, o]).
+at::Tensor int8_group_f32_linear(const at::Tensor& x, const at::Tensor& packed,
+                                 const at::Tensor& scales, int64_t out_features,
+                                 const std::optional<at::Tensor>& bias,
+                                 const std::optional<at::Tensor>& residual) {
+  check_groups<Int8GroupWeights>(x, {&scales}, out_features, "scales");
+  return linear<Int8GroupWeights>(x, packed, nullptr, {scales.data_ptr<float>()},
+                                  out_features, bias, residual, at::kChar,
+                                  "int8_f32_pack_weight");
+}
+
 // packed [panels, K / 2, 16] uint8 as Int4Weights describes; scales and mins
 // [panels, K / 32, 16] float32 (output 16 p + o of panel p at [p, group, o]).
 at::Tensor int4_f32_linear(const at::Tensor& x, const at::Tensor& packed,
@@ -483,14 +580,7 @@ at::Tensor int4_f32_linear(const at::Tensor& x, const at::Tensor& packed,
                            int64_t out_features, const std::optional<at::Tensor>& bias,
                            const std::optional<at::Tensor>& residual) {
   constexpr int64_t kGroup = Int4Weights::kGroup;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0,
-              "x must be [M, K] with K a multiple of ", kGroup);
-  for (const at::Tensor* t : {&scales, &mins}) {
-    TORCH_CHECK(t->dim() == 3 && t->size(0) == panels_for(out_features) &&
-                    t->size(1) == x.size(1) / kGroup && t->size(2) == kPanel &&
-                    t->is_contiguous() && t->scalar_type() == at::kFloat,
-                "scales and mins must be [panels, K / ", kGroup, ", ", kPanel, "] float32");
-  }
+  check_groups<Int4Weights>(x, {&scales, &mins}, out_features, "scales and mins");
   // each row's sum of x over each group, for the minimums (direct path only)
   const int64_t m = x.size(0), groups = x.size(1) / kGroup;
   at::Tensor x_sums;
@@ -514,6 +604,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("int8_f32_pack_weight(Tensor weight) -> Tensor");
   m.def("int8_f32_linear(Tensor x, Tensor packed, Tensor scales, int out_features, "
         "Tensor? bias, Tensor? residual) -> Tensor");
+  m.def("int8_group_f32_linear(Tensor x, Tensor packed, Tensor scales, int out_features, "
+        "Tensor? bias, Tensor? residual) -> Tensor");
   m.def("int4_f32_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, "
         "int out_features, Tensor? bias, Tensor? residual) -> Tensor");
 }
@@ -523,6 +615,7 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("f32_linear", &f32_linear);
   m.impl("int8_f32_pack_weight", &int8_f32_pack_weight);
   m.impl("int8_f32_linear", &int8_f32_linear);
+  m.impl("int8_group_f32_linear", &int8_group_f32_linear);
   m.impl("int4_f32_linear", &int4_f32_linear);
 }
 

@@ -6,8 +6,9 @@ kernel and one rounding) with nothing between the call and the op.
 The kernels read the weight once per call and keep memory streaming while they compute:
 bfloat16 activations in panels of 32 outputs in VDPBF16PS's pair layout (AVX512-BF16),
 float32 ones in panels of 16 for 8-lane FMA (AVX2). int8 and int4 weights are widened in
-registers and scaled in float32. A constructor raises ``KernelUnavailableError`` where
-``KernelCapabilities`` says the kernel it needs is not in this build.
+registers and scaled in float32 (int8 per output row or per 32 inputs of a row, int4 per 32
+inputs). A constructor raises ``KernelUnavailableError`` where ``KernelCapabilities`` says
+the kernel it needs is not in this build.
 """
 
 from __future__ import annotations
@@ -17,11 +18,18 @@ import torch
 from tokenmill.kernels.native import NativeKernels
 from tokenmill.kernels.quantize import (
     check_int4_shape,
+    group_panels,
     int4_panels,
     quantize_int8_rows,
     quantize_q4_1_groups,
     quantize_q4_1_panels,
 )
+
+
+def panel_outputs(dtype: torch.dtype) -> int:
+    """Outputs per panel of the layout of the linear kernels for ``dtype`` activations:
+    32 (bfloat16), 16 (float32)."""
+    return 32 if dtype == torch.bfloat16 else 16
 
 
 class NativeWeight:
@@ -64,6 +72,34 @@ class NativeInt8Weight:
         return self.linear(x, self.packed, self.scales, self.out_features, self.bias, residual)
 
 
+class NativeInt8GroupWeight:
+    """int8 weights with one float32 scale per 32 inputs of a row, ``w = q * scale``:
+    ``groups`` is ``(q [out, in] int8, scales [out, in / 32] float32)``, a GGUF file's own
+    Q8_0 or Q5_0 blocks (``gguf_blocks.FileRows.int8_groups``). Packed as
+    ``NativeInt8Weight``'s ``q``, for ``int8_group_linear`` (bfloat16 activations: each
+    group's float32 sum of ``x q`` times its scale) or ``int8_group_f32_linear`` (float32:
+    ``x`` times the weights ``q * scale``, which float32 holds exactly for a scale of at most
+    16 significant bits, such as a widened float16). Either way the output is ``x @ w.T``
+    within float32 summation (and the one rounding to bfloat16). ``weight`` gives the shape
+    and the activations' dtype. Needs ``in % 32 == 0``."""
+
+    def __init__(self, kernels: NativeKernels, weight: torch.Tensor,
+                 bias: torch.Tensor | None, groups: tuple[torch.Tensor, torch.Tensor]) -> None:
+        ops = kernels.linear_kernels(weight.dtype)
+        self.linear = ops.int8_group_linear
+        q, scales = groups
+        self.packed = ops.int8_pack_weight(q)
+        self.scales = group_panels(scales, panel_outputs(weight.dtype))
+        self.out_features = weight.shape[0]
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.packed, self.scales, self.out_features, self.bias, None)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.packed, self.scales, self.out_features, self.bias, residual)
+
+
 class NativeInt4Weight:
     """4-bit weights for the int4 kernel of the weight's dtype: ``int4_linear`` (bfloat16
     activations, panels of 32 outputs) or ``int4_f32_linear`` (float32, panels of 16). Per
@@ -83,7 +119,7 @@ class NativeInt4Weight:
         check_int4_shape(in_features, self.GROUP, "int4")
         self.linear = kernels.linear_kernels(weight.dtype).int4_linear
         bf16 = weight.dtype == torch.bfloat16
-        panel = 32 if bf16 else 16  # outputs per panel of the kernel's layout
+        panel = panel_outputs(weight.dtype)
         if groups is None:
             groups = quantize_q4_1_groups(weight, self.GROUP)
         q, self.scales, self.mins = int4_panels(*groups, panel)

@@ -20,12 +20,14 @@ class KernelUnavailableError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class LinearKernels:
     """The native linear kernels for one activation dtype (bfloat16 or float32): plain,
-    int8 and int4 weights."""
+    int8 (a scale per output row, or per 32 inputs of a row: the same packing) and int4
+    weights."""
 
     pack_weight: sig.PackWeight
     linear: sig.FloatLinear
     int8_pack_weight: sig.PackWeight
     int8_linear: sig.Int8Linear
+    int8_group_linear: sig.Int8GroupLinear
     int4_linear: sig.Int4Linear
 
 
@@ -50,9 +52,10 @@ class NativeKernels:
         ops = torch.ops.tokenmill
         if dtype == torch.bfloat16:
             return LinearKernels(ops.bf16_pack_weight, ops.bf16_linear, ops.int8_pack_weight,
-                                 ops.int8_linear, ops.int4_linear)
+                                 ops.int8_linear, ops.int8_group_linear, ops.int4_linear)
         return LinearKernels(ops.f32_pack_weight, ops.f32_linear, ops.int8_f32_pack_weight,
-                             ops.int8_f32_linear, ops.int4_f32_linear)
+                             ops.int8_f32_linear, ops.int8_group_f32_linear,
+                             ops.int4_f32_linear)
 
     def w4a8_linear(self) -> sig.W4A8Linear:
         """The w4a8 linear kernel (``capabilities.w4a8_linear``)."""

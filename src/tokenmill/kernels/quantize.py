@@ -1,5 +1,6 @@
 """The integer forms the quantized weight formats store (PyTorch's kernels and the native
-ones alike): int8 rows and GGUF Q4_1's 4-bit groups."""
+ones alike): int8 rows and GGUF Q4_1's 4-bit groups; and the native kernels' panel layout of
+per-group numbers."""
 
 from __future__ import annotations
 
@@ -32,19 +33,22 @@ def quantize_q4_1_groups(weight: torch.Tensor, group: int, dtype: torch.dtype = 
     return q.view(out_features, in_features), scales.squeeze(-1), mins.squeeze(-1)
 
 
+def group_panels(params: torch.Tensor, panel: int) -> torch.Tensor:
+    """Numbers per group of inputs, ``[N, K / group]`` (scales or minimums), by panels of
+    ``panel`` outputs, N padded with zeros: ``[panels, K / group, panel]``, output
+    ``panel * p + o`` at ``[p, :, o]`` (the native kernels' layout)."""
+    padded = torch.nn.functional.pad(params, (0, 0, 0, -params.shape[0] % panel))
+    return padded.view(-1, panel, padded.shape[1]).transpose(1, 2).contiguous()
+
+
 def int4_panels(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, panel: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """4-bit groups ``q [N, K]``, ``scales, mins [N, K / group]`` by panels of ``panel``
     outputs (N padded with zero rows, scales and minimums): ``(q [panels, panel, K],
     scales, mins [panels, K / group, panel])``."""
-    out_features = q.shape[0]
-    pad = -out_features % panel
-    q, scales, mins = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, scales, mins))
-    panels = q.shape[0] // panel
-    # [panels * panel, groups] -> [panels, groups, panel]
-    scales, mins = (t.view(panels, panel, -1).transpose(1, 2).contiguous()
-                    for t in (scales, mins))
-    return q.view(panels, panel, -1), scales, mins
+    q = torch.nn.functional.pad(q, (0, 0, 0, -q.shape[0] % panel))
+    return (q.view(-1, panel, q.shape[1]), group_panels(scales, panel),
+            group_panels(mins, panel))
 
 
 def quantize_q4_1_panels(weight: torch.Tensor, panel: int, group: int,

@@ -92,6 +92,14 @@ class Int8Linear(Protocol):
         ...
 
 
+class Int8GroupLinear(Protocol):
+    def __call__(self, x: Tensor, packed: Tensor, scales: Tensor, out_features: int,
+                 bias: Tensor | None, residual: Tensor | None) -> Tensor:
+        """``FloatLinear`` over int8 weights times one float32 scale per 32 inputs of a row
+        (``linear.NativeInt8GroupWeight``'s layout)."""
+        ...
+
+
 class Int4Linear(Protocol):
     def __call__(self, x: Tensor, packed: Tensor, scales: Tensor, mins: Tensor,
                  out_features: int, bias: Tensor | None, residual: Tensor | None) -> Tensor:

@@ -6,6 +6,10 @@ row) in torch's row order, and decodes it:
 
 - ``dequantize()``: float32 ``[rows, cols]`` by the gguf package's reference
   dequantization (``gguf.quants.dequantize``), bit for bit.
+- ``int8_groups()``, for ``INT8_GROUP_TYPES`` only: the weight as int8 ``q`` and a float32
+  scale per 32 inputs of a row, ``w = q * scale``: Q8_0 (``d q``, ``q`` int8) gives ``(q,
+  d)``; Q5_0 (``d (q - 16)``, ``q`` in 0..31) ``(q - 16, d)``. The scale is the block's
+  float16 ``d`` widened, so ``q * scale`` in float32 equals ``dequantize()`` bit for bit.
 - ``int4_planes()``, for ``PLANE_TYPES`` only: the weight as a sum of one or two 4-bit
   planes, each ``(q, scales, mins)`` with ``q`` in 0..15 and a float32 scale and minimum
   per 32 inputs of a row, ``w = sum over planes of (q * scale + min)``. Every product
@@ -13,13 +17,12 @@ row) in torch's row order, and decodes it:
   gives ``(d, -8 d)``; Q4_1 (``d q + m``) ``(d, m)``; Q4_K, a super-block of 256 with a
   float16 ``d`` and ``dmin`` and per 32 a 6-bit scale ``sc`` and minimum ``mn``
   (``d sc q - dmin mn``), ``(d sc, -(dmin mn))`` (``d sc``: 11 by 6 significant bits,
-  exact). Two planes, the low nibble and the high bits, for Q5_0 (``d (q - 16)``), Q5_1
-  (``d q + m``), Q5_K (Q4_K's form with 5-bit ``q``) and Q8_0 (``d q``, ``q`` int8, as
-  ``q + 128``). Exactness: for the 4-bit types and for Q5_0 and Q8_0, ``q * scale + min``
-  in float32, summed over the planes in float32, equals ``dequantize()`` bit for bit
-  (each part and the sum are multiples of ``d`` that float32 holds exactly); for Q5_1 and
-  Q5_K the planes sum to the exact value ``d q + m``, which ``dequantize()`` rounds once
-  to float32 (they differ from it by at most half a float32 unit in the last place).
+  exact). Two planes, the low nibble and the high bit, for the 5-bit types with a minimum,
+  which int8 with a scale alone cannot hold: Q5_1 (``d q + m``) and Q5_K (Q4_K's form with
+  5-bit ``q``). Exactness: for the 4-bit types ``q * scale + min`` in float32 equals
+  ``dequantize()`` bit for bit; for Q5_1 and Q5_K the planes sum to the exact value
+  ``d q + m``, which ``dequantize()`` rounds once to float32 (they differ from it by at
+  most half a float32 unit in the last place).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ SUPPORTED_TYPES = (
     Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
 )
-INT4_GROUP = 32
+GROUP = 32  # inputs per scale of int8_groups() and int4_planes()
+Int8Groups = tuple[torch.Tensor, torch.Tensor]  # q, scales
 Int4Plane = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q, scales, mins
 
 
@@ -66,17 +70,33 @@ class FileRows:
             array = np.array(array)
         return torch.from_numpy(array.reshape(self.shape))
 
+    def int8_groups(self) -> Int8Groups:
+        """The weight as ``(q [rows, cols] int8, scales [rows, cols / 32] float32)``, ``w =
+        q * scale`` exactly (see the module's docstring); only for ``INT8_GROUP_TYPES``."""
+        assert self.qtype in INT8_GROUP_TYPES, f"{self.qtype.name} has no int8 groups"
+        q, scales = _INT8_DECODERS[self.qtype](self._blocks())
+        return self._matrix(q), self._per_group(scales)
+
     def int4_planes(self) -> list[Int4Plane]:
         """The weight as 4-bit planes ``(q [rows, cols] uint8, scales, mins [rows, cols /
         32] float32)`` (see the module's docstring); only for ``PLANE_TYPES``."""
         assert self.qtype in PLANE_TYPES, f"{self.qtype.name} has no 4-bit planes"
+        return [(self._matrix(q), self._per_group(scales), self._per_group(mins))
+                for q, scales, mins in _PLANE_DECODERS[self.qtype](self._blocks())]
+
+    def _blocks(self) -> np.ndarray:
+        """``[blocks, bytes per block]`` uint8, the blocks in row order."""
         _, type_size = GGML_QUANT_SIZES[self.qtype]
-        blocks = np.ascontiguousarray(self.data).reshape(-1, type_size)
+        return np.ascontiguousarray(self.data).reshape(-1, type_size)
+
+    def _matrix(self, values: np.ndarray) -> torch.Tensor:
+        """``[blocks, block size]`` values -> ``[rows, cols]``."""
+        return torch.from_numpy(values.reshape(self.shape))
+
+    def _per_group(self, values: np.ndarray) -> torch.Tensor:
+        """``[blocks, groups per block]`` values -> ``[rows, cols / GROUP]``."""
         rows, cols = self.shape
-        return [(torch.from_numpy(q.reshape(rows, cols)),
-                 torch.from_numpy(scales.reshape(rows, cols // INT4_GROUP)),
-                 torch.from_numpy(mins.reshape(rows, cols // INT4_GROUP)))
-                for q, scales, mins in _PLANE_DECODERS[self.qtype](blocks)]
+        return torch.from_numpy(values.reshape(rows, cols // GROUP))
 
 
 def _f16(field: np.ndarray) -> np.ndarray:
@@ -96,7 +116,17 @@ def _bits(qh: np.ndarray, count: int) -> np.ndarray:
     return np.unpackbits(qh, axis=-1, count=count, bitorder="little")
 
 
+NpGroups = tuple[np.ndarray, np.ndarray]
 NpPlane = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def _q8_0(blocks: np.ndarray) -> NpGroups:
+    return blocks[:, 2:].view(np.int8), _f16(blocks[:, :2])
+
+
+def _q5_0(blocks: np.ndarray) -> NpGroups:
+    q = _nibbles(blocks[:, 6:], 16) | (_bits(blocks[:, 2:6], 32) << np.uint8(4))
+    return q.astype(np.int8) - np.int8(16), _f16(blocks[:, :2])
 
 
 def _q4_0(blocks: np.ndarray) -> list[NpPlane]:
@@ -120,13 +150,6 @@ def _q4_k(blocks: np.ndarray) -> list[NpPlane]:
     return [(_nibbles(blocks[:, 16:], 32), *_k_scales(blocks))]
 
 
-def _q5_0(blocks: np.ndarray) -> list[NpPlane]:
-    d = _f16(blocks[:, :2])
-    high = _bits(blocks[:, 2:6], 32)
-    return [(_nibbles(blocks[:, 6:], 16), d, d * np.float32(-16)),
-            (high, d * np.float32(16), np.zeros_like(d))]
-
-
 def _q5_1(blocks: np.ndarray) -> list[NpPlane]:
     d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
     high = _bits(blocks[:, 4:8], 32)
@@ -142,13 +165,7 @@ def _q5_k(blocks: np.ndarray) -> list[NpPlane]:
              np.zeros_like(mins))]
 
 
-def _q8_0(blocks: np.ndarray) -> list[NpPlane]:
-    d = _f16(blocks[:, :2])
-    q = blocks[:, 2:] ^ np.uint8(0x80)  # int8 q -> q + 128, in 0..255
-    return [(q & np.uint8(0x0F), d, d * np.float32(-128)),
-            (q >> np.uint8(4), d * np.float32(16), np.zeros_like(d))]
-
-
-_PLANE_DECODERS = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q4_K: _q4_k,
-                   Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q5_K: _q5_k, Q.Q8_0: _q8_0}
-PLANE_TYPES = tuple(_PLANE_DECODERS)  # the types a weight of 4-bit planes holds exactly
+_INT8_DECODERS = {Q.Q8_0: _q8_0, Q.Q5_0: _q5_0}
+_PLANE_DECODERS = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q4_K: _q4_k, Q.Q5_1: _q5_1, Q.Q5_K: _q5_k}
+INT8_GROUP_TYPES = tuple(_INT8_DECODERS)  # the types int8 with a scale per 32 holds exactly
+PLANE_TYPES = tuple(_PLANE_DECODERS)  # the others that 4-bit planes hold (see above)

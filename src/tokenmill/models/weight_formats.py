@@ -24,10 +24,11 @@ and accuracy costs):
   to int8 per block of 16 inputs at every call, multiplied as integers. No PyTorch form.
   The output head keeps 8 bits (native int8 where the CPU has the float32 kernels).
 - ``GGUFFormat``: ``--quantization gguf``, a GGUF file's own values (``docs/gguf.md``):
-  rows of a type that 4-bit planes hold (``gguf_blocks.PLANE_TYPES``: Q4_0, Q4_1, Q4_K in
-  one, Q5_0, Q5_1, Q5_K, Q8_0 in two) compute on them in the native int4 kernel, exactly;
-  the rows of other types in the format ``none`` gives them (their values in the dtype:
-  exact in float32).
+  rows of Q8_0 and Q5_0 (``gguf_blocks.INT8_GROUP_TYPES``) compute as int8 with a scale per
+  32 inputs in the native int8 kernel, rows of a type that 4-bit planes hold
+  (``gguf_blocks.PLANE_TYPES``: Q4_0, Q4_1, Q4_K in one, Q5_1, Q5_K in two) on them in the
+  native int4 kernel, both exactly; the rows of other types in the format ``none`` gives
+  them (their values in the dtype: exact in float32).
 - None: plain ``F.linear`` (CUDA, or no packed form for this dtype here).
 
 Every packed format computes each row of a call alone at a decode or verify step's sizes
@@ -40,19 +41,22 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
+from gguf import GGMLQuantizationType
 
 from tokenmill.errors import InvalidParameterError
 from tokenmill.kernels import NativeKernels
 from tokenmill.kernels.linear import (
     NativeInt4PlanesWeight,
     NativeInt4Weight,
+    NativeInt8GroupWeight,
     NativeInt8Weight,
     NativeW4A8Weight,
     NativeWeight,
 )
-from tokenmill.models.gguf_blocks import PLANE_TYPES, FileRows
+from tokenmill.models.gguf_blocks import INT8_GROUP_TYPES, PLANE_TYPES, FileRows
 from tokenmill.models.torch_weights import Int4Weight, Int8Weight, OneDNNWeight, onednn_supports
 
 
@@ -70,10 +74,12 @@ class StackedRowsWeight:
         return self(x).add_(residual)
 
 
-PackedWeight = (OneDNNWeight | NativeWeight | Int8Weight | NativeInt8Weight | Int4Weight
-                | NativeInt4Weight | NativeInt4PlanesWeight | NativeW4A8Weight
-                | StackedRowsWeight)
+PackedWeight = (OneDNNWeight | NativeWeight | Int8Weight | NativeInt8Weight
+                | NativeInt8GroupWeight | Int4Weight | NativeInt4Weight | NativeInt4PlanesWeight
+                | NativeW4A8Weight | StackedRowsWeight)
 QUANTIZED_DTYPES = (torch.bfloat16, torch.float32)  # what int8 and int4 compute in
+# packs a run of a weight's rows (and their bias) from the file's rows they were read from
+RowsPacker = Callable[[torch.Tensor, torch.Tensor | None, list[FileRows]], PackedWeight]
 
 
 class WeightFormat(ABC):
@@ -196,13 +202,15 @@ class NativeW4A8Format(KernelWeightFormat):
 
 
 class GGUFFormat(WeightFormat):
-    """A GGUF file's own values: the rows of ``PLANE_TYPES`` on the native int4 kernel as
+    """A GGUF file's own values, unchanged, each run of rows of one route (``_packer``) packed
+    on its own: rows of ``INT8_GROUP_TYPES`` on the native int8 kernel with a scale per 32
+    inputs (``NativeInt8GroupWeight``); rows of ``PLANE_TYPES`` on the native int4 kernel as
     their 4-bit planes (one plane: ``NativeInt4Weight``; two: ``NativeInt4PlanesWeight``,
-    rows of one plane given a zero second one), unchanged; the others (and a tied output
-    head, packed from the embedding) in ``dense``, the format ``none`` takes (never None
-    where this format is supported: the native linear kernels take the dtype there, so
-    the native dense format or oneDNN does). A fused projection whose shards take both
-    routes is split where the route changes (``StackedRowsWeight``)."""
+    rows of one plane given a zero second one); the others (and a tied output head, packed
+    from the embedding) in ``dense``, the format ``none`` takes (never None where this
+    format is supported: the native linear kernels take the dtype there, so the native
+    dense format or oneDNN does). A fused projection whose shards take different routes is
+    split where the route changes (``StackedRowsWeight``)."""
 
     def __init__(self, kernels: NativeKernels, dense: WeightFormat) -> None:
         self.kernels = kernels
@@ -218,16 +226,27 @@ class GGUFFormat(WeightFormat):
     def pack_rows(self, weight: torch.Tensor, bias: torch.Tensor | None,
                   rows: list[FileRows]) -> PackedWeight:
         parts, first = [], 0
-        for on_planes, run in itertools.groupby(rows, key=lambda r: r.qtype in PLANE_TYPES):
+        for packer, run in itertools.groupby(rows, key=lambda r: self._packer(r.qtype)):
             run = list(run)
             last = first + sum(r.shape[0] for r in run)
             part_bias = None if bias is None else bias[first:last]
-            if on_planes:
-                parts.append(self._pack_planes(weight[first:last], part_bias, run))
-            else:
-                parts.append(self.pack(weight[first:last], part_bias))
+            parts.append(packer(weight[first:last], part_bias, run))
             first = last
         return parts[0] if len(parts) == 1 else StackedRowsWeight(parts)
+
+    def _packer(self, qtype: GGMLQuantizationType) -> RowsPacker:
+        """The route of rows of ``qtype``: the method that packs a run of them."""
+        if qtype in INT8_GROUP_TYPES:
+            return self._pack_int8_groups
+        if qtype in PLANE_TYPES:
+            return self._pack_planes
+        return self._pack_dense
+
+    def _pack_int8_groups(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                          rows: list[FileRows]) -> PackedWeight:
+        q, scales = (torch.cat(parts)
+                     for parts in zip(*(r.int8_groups() for r in rows), strict=True))
+        return NativeInt8GroupWeight(self.kernels, weight, bias, (q, scales))
 
     def _pack_planes(self, weight: torch.Tensor, bias: torch.Tensor | None,
                      rows: list[FileRows]) -> PackedWeight:
@@ -243,6 +262,10 @@ class GGUFFormat(WeightFormat):
         if count == 1:
             return NativeInt4Weight(self.kernels, weight, bias, planes[0])
         return NativeInt4PlanesWeight(self.kernels, weight, bias, planes)
+
+    def _pack_dense(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                    rows: list[FileRows]) -> PackedWeight:
+        return self.pack(weight, bias)
 
 
 # Per quantization: its native format, then PyTorch's.
