@@ -92,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prompts.add_argument("--ignore-eos", action="store_true")
     prompts.add_argument("--temperature", type=float, default=None,
                          help="sampling temperature of every request (default: the server's)")
+    prompts.add_argument("--logprobs", type=int, default=None, metavar="N",
+                         help="ask for the N most likely tokens' log-probabilities at every "
+                              "output token (default: none)")
     prompts.add_argument("--seed", type=int, default=0)
     prompts.add_argument("--tokenizer", help="local Hugging Face tokenizer folder")
     out = parser.add_argument_group("output")
@@ -155,7 +158,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         burstiness=args.burstiness, num_requests=args.num_requests, duration=args.duration,
         input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
         dataset=args.dataset, ignore_eos=args.ignore_eos, temperature=args.temperature,
-        seed=args.seed,
+        logprobs=args.logprobs, seed=args.seed,
         tokenizer=args.tokenizer, goodput=parse_goodput(args.goodput or []),
         timeout=args.timeout, progress=not args.no_progress)
 

@@ -51,6 +51,7 @@ class BenchConfig:
     dataset: str | None = None  # JSONL with "prompt" and optional "max_tokens"/"output_len"
     ignore_eos: bool = False
     temperature: float | None = None  # None: the server's default
+    logprobs: int | None = None  # top log-probabilities asked for per output token
     seed: int = 0
     tokenizer: str | None = None  # local Hugging Face tokenizer folder
     goodput: dict[str, float] = field(default_factory=dict)  # SLO key -> milliseconds

@@ -112,7 +112,8 @@ async def warm_up(client: httpx.AsyncClient, config: BenchConfig, model: str,
     error = None
     for options in STREAM_OPTIONS_CHOICES:
         endpoint = Endpoint(f"{config.base_url}{path}", config.endpoint == "chat", model,
-                            headers, config.ignore_eos, options, config.temperature)
+                            headers, config.ignore_eos, options, config.temperature,
+                            config.logprobs)
         raw = RawResponse(-1, prompt.max_tokens, prompt.num_tokens)
         await send(client, endpoint, prompt.text, raw, time.perf_counter())
         if raw.status is Status.OK:
@@ -147,7 +148,7 @@ def _info(config: BenchConfig, model: str, counter: TokenCounter, endpoint: Endp
         "num_requests": config.num_requests, "duration": config.duration,
         "prompts": prompts, "input_len": config.input_len, "output_len": config.output_len,
         "range_ratio": config.range_ratio, "ignore_eos": config.ignore_eos,
-        "temperature": config.temperature,
+        "temperature": config.temperature, "logprobs": config.logprobs,
         "seed": config.seed, "prompt_length_method": counter.method,
         "stream_options": endpoint.stream_options,
         "output_tokenizer": config.tokenizer is not None,

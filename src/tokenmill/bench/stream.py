@@ -43,6 +43,7 @@ class Endpoint:
     ignore_eos: bool
     stream_options: dict | None
     temperature: float | None = None
+    logprobs: int | None = None
 
     def payload(self, prompt: str, max_tokens: int) -> dict:
         body: dict = {"model": self.model, "max_tokens": max_tokens, "stream": True}
@@ -56,6 +57,9 @@ class Endpoint:
             body["ignore_eos"] = True
         if self.temperature is not None:
             body["temperature"] = self.temperature
+        if self.logprobs is not None:  # the completions and the chat API ask differently
+            body.update({"logprobs": True, "top_logprobs": self.logprobs} if self.chat
+                        else {"logprobs": self.logprobs})
         return body
 
 
