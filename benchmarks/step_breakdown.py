@@ -10,11 +10,12 @@ exactly ``--output-len`` output tokens, streaming, at each ``--concurrency`` in 
 Per level it prints the mean milliseconds per engine step of:
 
 - engine process: scheduling (``Scheduler.schedule``), input preparation (the runner's
-  tensors and attention plan), forward (matmuls incl. the LM head, attention over the
-  cache, the rest: norms, rotary and the KV store, embedding, residuals), sampling
-  (settings + sampler), update (stop checks, outputs), other (the rest of
-  ``EngineCore.step``: sending results, the queue state), idle (between steps: waiting
-  for work or the inbox);
+  tensors and attention plan), forward (the decoder layers' matmuls, attention over the
+  cache, the rest: norms, rotary and the KV store, embedding, residuals), the LM head
+  (the output projection to the vocabulary), sampling (settings + sampler, log-probabilities
+  included where the requests ask for them: ``--logprobs``), update (stop checks,
+  outputs), other (the rest of ``EngineCore.step``: sending results, the queue state),
+  idle (between steps: waiting for work or the inbox);
 - server process, event-loop thread (CPU time): output processing (detokenisation, stop strings,
   stats) and HTTP/SSE (everything else it does: parsing, JSON, streaming).
 
@@ -22,7 +23,7 @@ The timers cost a few microseconds per call (about 150 calls per step); the figu
 are for comparing parts, not for absolute throughput. Usage::
 
     python benchmarks/step_breakdown.py [--concurrency 1 64] [--requests-per-stream 1]
-                                        [--out FILE] [-- SERVER OPTIONS]
+                                        [--logprobs N] [--out FILE] [-- SERVER OPTIONS]
 """
 
 from __future__ import annotations
@@ -52,16 +53,17 @@ from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.sampler import Sampler
 from tokenmill.frontend import request_state
-from tokenmill.models import layers, llama
+from tokenmill.models import layers
 from tokenmill.models.attention import AttentionBackend
 from tokenmill.models.attention_native import NativeDecode, NativePrefill
 from tokenmill.models.attention_sdpa import SdpaDecode, SdpaPrefill
+from tokenmill.models.causal_lm import PagedCausalLM
 from tokenmill.server.run import serve
 
 SNAPSHOT_ENV = "STEP_BREAKDOWN_FILE"
 SNAPSHOT_PERIOD_S = 0.2
-ENGINE_PARTS = ("schedule", "prepare", "matmuls", "attention", "forward_rest", "sampling",
-                "update", "other", "idle")
+ENGINE_PARTS = ("schedule", "prepare", "matmuls", "attention", "forward_rest", "lm_head",
+                "sampling", "update", "other", "idle")
 LOOP_PARTS = ("output_processing", "http_sse")
 
 
@@ -71,18 +73,25 @@ class Timers:
     def __init__(self) -> None:
         self.seconds: collections.Counter[str] = collections.Counter()
         self.steps = 0
+        self.running: list[str] = []  # the parts whose timed calls are under way
 
-    def wrap(self, owner, name: str, part: str) -> None:
+    def wrap(self, owner, name: str, part: str, not_inside: str | None = None) -> None:
+        """Time every call of ``owner.name`` into ``part``, except calls made while a
+        call timed into ``not_inside`` runs (they count there)."""
         original = getattr(owner, name)
-        seconds = self.seconds
+        seconds, running = self.seconds, self.running
 
         @functools.wraps(original)
         def timed(*args, **kwargs):
+            if not_inside in running:
+                return original(*args, **kwargs)
+            running.append(part)
             start = time.perf_counter()
             try:
                 return original(*args, **kwargs)
             finally:
                 seconds[part] += time.perf_counter() - start
+                running.pop()
 
         setattr(owner, name, timed)
 
@@ -98,12 +107,12 @@ def instrument_engine(timers: Timers) -> None:
     timers.wrap(ModelRunner, "_prepare", "prepare")
     timers.wrap(AttentionBackend, "plan", "plan")  # inside forward, counted as preparation
     timers.wrap(ModelRunner, "_sampling_batch", "sampling")
-    timers.wrap(layers.Linear, "forward", "matmuls")
+    timers.wrap(layers.Linear, "forward", "matmuls", not_inside="lm_head")
     timers.wrap(layers.Linear, "forward_add", "matmuls")
-    timers.wrap(llama.LlamaForCausalLM, "compute_logits", "lm_head")
+    timers.wrap(PagedCausalLM, "compute_logits", "lm_head")
     for attention in (NativeDecode, NativePrefill, SdpaDecode, SdpaPrefill):
         timers.wrap(attention, "__call__", "attention")  # after rotary and the store
-    timers.wrap(llama.LlamaForCausalLM, "forward", "forward")
+    timers.wrap(PagedCausalLM, "forward", "forward")
     timers.wrap(Sampler, "__call__", "sampling")
     schedule = Scheduler.schedule
 
@@ -177,9 +186,9 @@ def level_breakdown(before: dict, after: dict, loop_seconds: collections.Counter
     wall = after["clock"] - before["clock"]
     parts = {
         "schedule": s["schedule"], "prepare": s["prepare"] + s["plan"],
-        "matmuls": s["matmuls"] + s["lm_head"], "attention": s["attention"],
+        "matmuls": s["matmuls"], "attention": s["attention"],
         "forward_rest": s["forward"] - s["matmuls"] - s["attention"] - s["plan"],
-        "sampling": s["sampling"], "update": s["update"]}
+        "lm_head": s["lm_head"], "sampling": s["sampling"], "update": s["update"]}
     parts["other"] = s["step"] - sum(parts.values())
     parts.update({
         "idle": max(wall - s["step"], 0.0),
@@ -200,6 +209,7 @@ def drive(args: argparse.Namespace, base_url: str, loop_timers: Timers) -> list[
                        "--num-requests", str(concurrency * args.requests_per_stream),
                        "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                        "--ignore-eos", "--seed", str(seed), "--no-progress",
+                       *(["--logprobs", str(args.logprobs)] if args.logprobs else []),
                        "--result-json", result.name]
             subprocess.run([*command[:-2], "--num-requests", "1", "--seed", "999"],
                            check=True, capture_output=True)  # warm-up
@@ -245,6 +255,8 @@ def main() -> None:
     parser.add_argument("--requests-per-stream", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--logprobs", type=int, default=None, metavar="N",
+                        help="every request asks for the N most likely tokens' log-probabilities")
     parser.add_argument("--out", default="benchmarks/results/step_breakdown.json")
     args, server_args = parser.parse_known_args()
     server_args = [a for a in server_args if a != "--"]
