@@ -76,8 +76,9 @@ class EngineConfig:
     quantization: str = option(
         "none", "none; int8 or int4 (GGUF Q4_1's layout): quantized weights, activations in "
         "the dtype; w4a8: int4 weights times int8 activations (CPU); gguf: a GGUF file's "
-        "own blocks, exactly, in the int4 kernel (Q4_0, Q4_1, Q4_K; Q5_0, Q5_1, Q5_K, Q8_0 "
-        "as two 4-bit planes), other types in the dtype (CPU)",
+        "own blocks, exactly: Q8_0, Q5_0 in the int8 kernel with a scale per 32 inputs, "
+        "Q6_K, Q3_K with one per 16; Q4_0, Q4_1, Q4_K in the int4 kernel as one 4-bit plane, "
+        "Q5_1, Q5_K as two; Q2_K and float types in the dtype (CPU)",
         choices=QUANTIZATION_CHOICES)
     device: str = option("auto", "auto (CUDA when present), cpu or cuda[:N]")
     num_threads: int | None = option(

@@ -35,18 +35,20 @@ def assert_one_rounding(actual: torch.Tensor, exact: torch.Tensor, k: int) -> No
     assert ((actual.double() - exact).abs() <= bound).all()
 
 
-def int8_groups(out_features: int, in_features: int, gen: torch.Generator
+def int8_groups(out_features: int, in_features: int, gen: torch.Generator, group: int = 32
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random int8 q and a scale per 32 inputs of a row, float16 values (as a GGUF Q8_0
-    block's d): q * scale is exact in float32."""
+    """Random int8 q and a scale per ``group`` inputs of a row, float16 values (as a GGUF
+    Q8_0 block's d): q * scale is exact in float32."""
     q = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
-    scales = (torch.rand(out_features, in_features // 32, generator=gen) / 100).half().float()
-    return q, scales
+    scales = torch.rand(out_features, in_features // group, generator=gen) / 100
+    return q, scales.half().float()
 
 
 def group_weight(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """What int8 groups stand for, q * scale, in float64."""
-    return (q.double().view(q.shape[0], -1, 32) * scales.double()[..., None]).view(q.shape)
+    """What int8 groups stand for, q * scale, in float64 (the group size: the inputs per
+    scale)."""
+    group = q.shape[1] // scales.shape[1]
+    return (q.double().view(q.shape[0], -1, group) * scales.double()[..., None]).view(q.shape)
 
 
 # rows: 1 (a decode step), 13 (two row chunks), 40 (four), 130 (a prefill: many chunks);
@@ -132,18 +134,22 @@ def test_int8_linear_rejects_bad_input(ops):
         ops.int8_pack_weight(torch.zeros(64, 32))
 
 
-# rows: 1, 13 (three chunks of rows), 130 (many)
+# rows: 1, 13 (three chunks of rows), 130 (many); groups of 16 also over 48 inputs (three
+# groups, K not a multiple of 32)
 @pytest.mark.parametrize("rows", [1, 13, 130])
-@pytest.mark.parametrize("out_features,in_features", [(96, 64), (37, 96)])
-def test_int8_group_linear_matches_exact_arithmetic(ops, native, rows, out_features,
+@pytest.mark.parametrize("group,out_features,in_features",
+                         [(32, 96, 64), (32, 37, 96), (16, 96, 64), (16, 37, 48)])
+def test_int8_group_linear_matches_exact_arithmetic(ops, native, rows, group, out_features,
                                                     in_features):
-    """int8 with a float16-valued scale per 32 inputs: each group's float32 sum of x q
-    times its scale, summed in float32, rounded once."""
+    """int8 with a float16-valued scale per 32 or per 16 inputs (the kernel infers which
+    from the scales' shape): each group's float32 sum of x q times its scale, summed in
+    float32, rounded once."""
     gen = torch.Generator().manual_seed(rows + out_features)
-    q, scales = int8_groups(out_features, in_features, gen)
+    q, scales = int8_groups(out_features, in_features, gen, group)
     bias = torch.randn(out_features, generator=gen).to(BF16)
     fmt = NativeInt8GroupWeight(native, torch.empty(out_features, in_features, dtype=BF16),
                                 bias, (q, scales))
+    assert fmt.group == group
     x = torch.randn(rows, 2 * in_features, generator=gen).to(BF16)[:, in_features:]
     residual = torch.randn(rows, out_features, generator=gen).to(BF16)
     weight = group_weight(q, scales)
@@ -155,10 +161,15 @@ def test_int8_group_linear_rejects_bad_input(ops, native):
     fmt = NativeInt8GroupWeight(native, torch.empty(64, 64, dtype=BF16), None,
                                 int8_groups(64, 64, torch.Generator().manual_seed(0)))
     x = torch.randn(3, 64).to(BF16)
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        ops.int8_group_linear(x[:, :48], fmt.packed, fmt.scales, 64, None, None)
-    with pytest.raises(RuntimeError, match="scales"):
-        ops.int8_group_linear(x, fmt.packed, fmt.scales[:, :1], 64, None, None)
+    with pytest.raises(RuntimeError, match="one group per 16 or per 32 inputs"):
+        ops.int8_group_linear(x[:, :48], fmt.packed, fmt.scales, 64, None, None)  # 24 each
+    with pytest.raises(RuntimeError, match="one group per 16 or per 32 inputs"):
+        ops.int8_group_linear(x, fmt.packed, fmt.scales[:, :1], 64, None, None)  # 64
+    with pytest.raises(RuntimeError, match="scales must be"):  # one panel of two
+        ops.int8_group_linear(x, fmt.packed, fmt.scales[:1], 64, None, None)
+    with pytest.raises(ValueError, match="groups of 16 or 32"):
+        NativeInt8GroupWeight(native, torch.empty(64, 64, dtype=BF16), None,
+                              (torch.zeros(64, 64, dtype=torch.int8), torch.ones(64, 1)))
     with pytest.raises(RuntimeError, match="int8_pack_weight"):  # a bfloat16 packing
         ops.int8_group_linear(x, ops.pack_weight(torch.zeros(64, 64, dtype=BF16)),
                               fmt.scales, 64, None, None)

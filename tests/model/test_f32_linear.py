@@ -35,18 +35,20 @@ def assert_float32_sums(actual: torch.Tensor, exact: torch.Tensor, k: int) -> No
     assert ((actual.double() - exact).abs() <= bound).all()
 
 
-def int8_groups(out_features: int, in_features: int, gen: torch.Generator
+def int8_groups(out_features: int, in_features: int, gen: torch.Generator, group: int = 32
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random int8 q and a scale per 32 inputs of a row, float16 values (as a GGUF Q8_0
-    block's d): q * scale is exact in float32."""
+    """Random int8 q and a scale per ``group`` inputs of a row, float16 values (as a GGUF
+    Q8_0 block's d): q * scale is exact in float32."""
     q = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
-    scales = (torch.rand(out_features, in_features // 32, generator=gen) / 100).half().float()
-    return q, scales
+    scales = torch.rand(out_features, in_features // group, generator=gen) / 100
+    return q, scales.half().float()
 
 
 def group_weight(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """What int8 groups stand for, q * scale, in float64."""
-    return (q.double().view(q.shape[0], -1, 32) * scales.double()[..., None]).view(q.shape)
+    """What int8 groups stand for, q * scale, in float64 (the group size: the inputs per
+    scale)."""
+    group = q.shape[1] // scales.shape[1]
+    return (q.double().view(q.shape[0], -1, group) * scales.double()[..., None]).view(q.shape)
 
 
 # rows: 1 and 2 (decode steps: several panels at once), 7 (two row chunks), 40 (seven), 130
@@ -72,15 +74,16 @@ def test_linear_matches_exact_arithmetic(ops, rows, out_features, in_features):
 # each thread); more rows take them one by one (or, int8 from 13 rows, through a float32
 # copy). Each output is the same chain of FMAs either way (int8 groups: over the same
 # weights q * scale), so a row's result is bitwise the same alone, in a pair or in a batch.
-@pytest.mark.parametrize("kind", ["float32", "int8", "int8_group"])
+@pytest.mark.parametrize("kind", ["float32", "int8", "int8_group32", "int8_group16"])
 def test_linear_rows_do_not_depend_on_their_batch(ops, native, kind):
     gen = torch.Generator().manual_seed(7)
     out_features = 203
-    in_features = 96 if kind == "int8_group" else 70  # int8 groups: a multiple of 32
+    in_features = 96 if kind.startswith("int8_group") else 70  # int8 groups: whole groups
     x = torch.randn(40, in_features, generator=gen)
-    if kind == "int8_group":
+    if kind.startswith("int8_group"):
+        group = int(kind.removeprefix("int8_group"))
         linear = NativeInt8GroupWeight(native, x.new_empty(out_features, in_features), None,
-                                       int8_groups(out_features, in_features, gen))
+                                       int8_groups(out_features, in_features, gen, group))
     elif kind == "float32":
         packed = ops.pack_weight(torch.randn(out_features, in_features, generator=gen))
 
@@ -149,18 +152,21 @@ def test_int8_linear_matches_exact_arithmetic(ops, rows, out_features, in_featur
     assert_float32_sums(out, expected(x, weight, bias, residual), in_features)
 
 
-# rows: 1 and 2 (several panels at once), 7 (row chunks), 130 (a widened copy of each panel)
+# rows: 1 and 2 (several panels at once), 7 (row chunks), 130 (a widened copy of each
+# panel); groups of 16 also over 48 inputs (three groups, K not a multiple of 32)
 @pytest.mark.parametrize("rows", [1, 2, 7, 130])
-@pytest.mark.parametrize("out_features,in_features", [(96, 64), (203, 96)])
-def test_int8_group_linear_matches_exact_arithmetic(ops, native, rows, out_features,
+@pytest.mark.parametrize("group,out_features,in_features",
+                         [(32, 96, 64), (32, 203, 96), (16, 96, 64), (16, 203, 48)])
+def test_int8_group_linear_matches_exact_arithmetic(ops, native, rows, group, out_features,
                                                     in_features):
-    """int8 with a float16-valued scale per 32 inputs: x times the exact weights q * scale,
-    summed in float32."""
+    """int8 with a float16-valued scale per 32 or per 16 inputs (the kernel infers which
+    from the scales' shape): x times the exact weights q * scale, summed in float32."""
     gen = torch.Generator().manual_seed(rows + out_features)
-    q, scales = int8_groups(out_features, in_features, gen)
+    q, scales = int8_groups(out_features, in_features, gen, group)
     bias = torch.randn(out_features, generator=gen)
     fmt = NativeInt8GroupWeight(native, torch.empty(out_features, in_features), bias,
                                 (q, scales))
+    assert fmt.group == group
     x = torch.randn(rows, 2 * in_features, generator=gen)[:, in_features:]  # strided rows
     residual = torch.randn(rows, out_features, generator=gen)
     weight = group_weight(q, scales)
@@ -172,10 +178,15 @@ def test_int8_group_linear_rejects_bad_input(ops, native):
     fmt = NativeInt8GroupWeight(native, torch.empty(64, 64), None,
                                 int8_groups(64, 64, torch.Generator().manual_seed(0)))
     x = torch.randn(3, 64)
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        ops.int8_group_linear(x[:, :48], fmt.packed, fmt.scales, 64, None, None)
-    with pytest.raises(RuntimeError, match="scales"):
-        ops.int8_group_linear(x, fmt.packed, fmt.scales[:, :1], 64, None, None)
+    with pytest.raises(RuntimeError, match="one group per 16 or per 32 inputs"):
+        ops.int8_group_linear(x[:, :48], fmt.packed, fmt.scales, 64, None, None)  # 24 each
+    with pytest.raises(RuntimeError, match="one group per 16 or per 32 inputs"):
+        ops.int8_group_linear(x, fmt.packed, fmt.scales[:, :1], 64, None, None)  # 64
+    with pytest.raises(RuntimeError, match="scales must be"):  # one panel of four
+        ops.int8_group_linear(x, fmt.packed, fmt.scales[:1], 64, None, None)
+    with pytest.raises(ValueError, match="groups of 16 or 32"):
+        NativeInt8GroupWeight(native, torch.empty(64, 64), None,
+                              (torch.zeros(64, 64, dtype=torch.int8), torch.ones(64, 1)))
     with pytest.raises(RuntimeError, match="int8_f32_pack_weight"):  # a float32 packing
         ops.int8_group_linear(x, ops.pack_weight(torch.zeros(64, 64)), fmt.scales, 64, None,
                               None)

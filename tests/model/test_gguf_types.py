@@ -1,7 +1,8 @@
 """GGUF tensor types: every supported type loads bit for bit as the gguf package's reference
 dequantization computes it; ``--quantization gguf`` computes on the file's own blocks
-(Q8_0 and Q5_0 as int8 with a scale per 32 inputs, others as 4-bit planes) exactly; a file
-with an unsupported type, or truncated, fails with one clear ModelLoadError.
+(Q8_0 and Q5_0 as int8 with a scale per 32 inputs, Q6_K and Q3_K with one per 16, others
+but Q2_K as 4-bit planes) exactly, a tied output head too; a file with an unsupported type,
+or truncated, fails with one clear ModelLoadError.
 
 The files are written here, offline: tensors of the types the gguf package cannot
 quantize (and, to cover every bit pattern, all the others too) are random valid blocks.
@@ -31,6 +32,7 @@ from tokenmill.kernels.linear import (
 )
 from tokenmill.models.gguf_blocks import (
     INT8_GROUP_TYPES,
+    INT8_GROUPS,
     PLANE_TYPES,
     SUPPORTED_TYPES,
     FileRows,
@@ -107,26 +109,37 @@ def plane_values(planes, rows: int, cols: int, dtype: torch.dtype) -> torch.Tens
     return total
 
 
-def test_every_quantized_type_with_32_input_scales_takes_one_exact_route():
-    """Q8_0 and Q5_0 (d q) go to int8 groups; the types with a minimum and 4- or 5-bit q
-    to 4-bit planes; none to both."""
-    assert set(INT8_GROUP_TYPES) == {Q.Q8_0, Q.Q5_0}
+def test_every_quantized_type_but_q2_k_takes_one_exact_route():
+    """Q8_0 and Q5_0 (d q, per 32) and Q6_K and Q3_K (d sc q, per 16) go to int8 groups;
+    the types with a minimum per 32 and 4- or 5-bit q to 4-bit planes; none to both; Q2_K
+    (a minimum per 16) to neither."""
+    assert INT8_GROUPS == {Q.Q8_0: 32, Q.Q5_0: 32, Q.Q6_K: 16, Q.Q3_K: 16}
+    assert set(INT8_GROUP_TYPES) == set(INT8_GROUPS)
     assert set(PLANE_TYPES) == {Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_1, Q.Q5_K}
+    quantized = set(SUPPORTED_TYPES) - {Q.F32, Q.F16, Q.BF16}
+    assert quantized - set(INT8_GROUP_TYPES) - set(PLANE_TYPES) == {Q.Q2_K}
+
+
+# each type's q: its whole range, the extremes included (random blocks hold every pattern)
+INT8_RANGES = {Q.Q8_0: (-128, 127), Q.Q5_0: (-16, 15), Q.Q6_K: (-32, 31), Q.Q3_K: (-4, 3)}
 
 
 @pytest.mark.parametrize("qtype", INT8_GROUP_TYPES, ids=lambda q: q.name)
 def test_int8_groups_reproduce_the_reference_dequantization(qtype):
     """Q8_0 (d q) and Q5_0 (d (q - 16)) as int8 q and a float32 scale per 32 inputs, the
-    block's float16 d widened: q * scale is the reference, bit for bit in float32."""
+    block's float16 d widened; Q6_K (d sc (q - 32)) and Q3_K (d (sc - 32) q) with one per
+    16, d times the sub-block's scale: q * scale is the reference, bit for bit in
+    float32."""
     rows = FileRows(qtype, random_blocks(qtype, 24, 512, np.random.default_rng(1), 0.05), 512)
+    group = rows.int8_group
     q, scales = rows.int8_groups()
     assert q.dtype == torch.int8 and q.shape == (24, 512)
-    assert scales.dtype == torch.float32 and scales.shape == (24, 512 // 32)
-    assert torch.equal(scales.half().float(), scales)
-    low, high = (-128, 127) if qtype == Q.Q8_0 else (-16, 15)
-    assert int(q.min()) == low and int(q.max()) == high  # every value, the extremes too
+    assert scales.dtype == torch.float32 and scales.shape == (24, 512 // group)
+    if group == 32:
+        assert torch.equal(scales.half().float(), scales)
+    assert (int(q.min()), int(q.max())) == INT8_RANGES[qtype]
     reference = torch.from_numpy(dequantize(rows.data, qtype).reshape(24, 512))
-    values = (q.float().view(24, -1, 32) * scales[..., None]).view(24, 512)
+    values = (q.float().view(24, -1, group) * scales[..., None]).view(24, 512)
     assert torch.equal(values, reference)
 
 
@@ -176,10 +189,11 @@ def supported_or_skip(dtype: torch.dtype, native) -> None:
 def test_int8_group_kernel_on_file_blocks_matches_the_reference_matmul(native, qtype, dtype,
                                                                       batch):
     """``GGUFFormat`` puts Q8_0 and Q5_0 rows on the int8 kernel with a scale per 32 inputs,
-    which computes x @ W.T + b (+ residual) for W the reference dequantization within
-    float32 summation (and, in bfloat16, one rounding); each row's bits do not depend on
-    the batch. 200 outputs: panels of 32 and 16 with a partial last one, and (float32) runs
-    of several panels for one or two rows; 17 rows: chunks, or (float32) a widened copy."""
+    Q6_K and Q3_K rows with one per 16, which computes x @ W.T + b (+ residual) for W the
+    reference dequantization within float32 summation (and, in bfloat16, one rounding);
+    each row's bits do not depend on the batch. 200 outputs: panels of 32 and 16 with a
+    partial last one, and (float32) runs of several panels for one or two rows; 17 rows:
+    chunks, or (float32) a widened copy."""
     supported_or_skip(dtype, native)
     out_features, in_features = 200, 512
     rows = FileRows(qtype, random_blocks(qtype, out_features, in_features,
@@ -189,7 +203,7 @@ def test_int8_group_kernel_on_file_blocks_matches_the_reference_matmul(native, q
     bias = torch.randn(out_features, generator=gen).to(dtype)
     packed = choose_weight_format(dtype, CPU, "gguf", native).pack_rows(
         reference.to(dtype), bias, [rows])
-    assert type(packed) is NativeInt8GroupWeight
+    assert type(packed) is NativeInt8GroupWeight and packed.group == rows.int8_group
     x = torch.randn(batch, in_features, generator=gen).to(dtype)
     residual = torch.randn(batch, out_features, generator=gen).to(dtype)
     products = x.double().abs() @ reference.double().abs().T
@@ -205,34 +219,66 @@ def test_int8_group_kernel_on_file_blocks_matches_the_reference_matmul(native, q
     assert torch.equal(alone, packed.add(x, residual))
 
 
+def routes(packed: StackedRowsWeight) -> list[tuple[type, int | None]]:
+    """Each part's class, and for int8 groups their size."""
+    return [(type(part), getattr(part, "group", None)) for part in packed.parts]
+
+
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=str)
 def test_rows_of_mixed_types_are_packed_in_runs_of_one_route(native, dtype):
     """A projection read from several tensors of different types (a fused qkv or gate_up)
-    is split where the route changes: Q4_K and Q5_K (planes, Q4_K's second one zero), Q8_0
-    and Q5_0 (int8 groups), Q6_K (dense, in the dtype), Q8_0 again (int8 groups); the
-    parts side by side compute x @ W.T + b."""
+    is split where the route or the int8 group size changes: Q4_K and Q5_K (planes, Q4_K's
+    second one zero), Q8_0 and Q5_0 (int8 groups of 32), Q6_K and Q3_K (of 16), Q2_K
+    (dense, in the dtype), Q8_0 again (of 32); the parts side by side compute x @ W.T + b."""
     supported_or_skip(dtype, native)
     in_features, rng = 512, np.random.default_rng(4)
     shards = [FileRows(qtype, random_blocks(qtype, n, in_features, rng, 0.05), in_features)
               for qtype, n in [(Q.Q4_K, 24), (Q.Q5_K, 40), (Q.Q8_0, 16), (Q.Q5_0, 32),
-                               (Q.Q6_K, 8), (Q.Q8_0, 24)]]
+                               (Q.Q6_K, 8), (Q.Q3_K, 16), (Q.Q2_K, 8), (Q.Q8_0, 24)]]
     reference = torch.cat([r.dequantize() for r in shards])
     gen = torch.Generator().manual_seed(5)
     bias = torch.randn(reference.shape[0], generator=gen).to(dtype)
     packed = choose_weight_format(dtype, CPU, "gguf", native).pack_rows(
         reference.to(dtype), bias, shards)
     assert isinstance(packed, StackedRowsWeight)
-    assert [type(part) for part in packed.parts[:2]] == [NativeInt4PlanesWeight,
-                                                        NativeInt8GroupWeight]
-    assert not isinstance(packed.parts[2], NativeInt4Weight | NativeInt8GroupWeight)
-    assert type(packed.parts[3]) is NativeInt8GroupWeight and len(packed.parts) == 4
+    dense = routes(packed)[3]
+    assert dense[0] not in (NativeInt4Weight, NativeInt4PlanesWeight, NativeInt8GroupWeight)
+    assert routes(packed) == [(NativeInt4PlanesWeight, None), (NativeInt8GroupWeight, 32),
+                              (NativeInt8GroupWeight, 16), dense, (NativeInt8GroupWeight, 32)]
     x = torch.randn(5, in_features, generator=gen).to(dtype)
     weight = reference.double()
-    weight[112:120] = reference[112:120].to(dtype).double()  # the dense rows, in the dtype
+    weight[136:144] = reference[136:144].to(dtype).double()  # the dense rows, in the dtype
     exact = x.double() @ weight.T + bias.double()
     got = packed(x)
     assert got.dtype == dtype
     assert ((got.double() - exact).abs() <= one_rounding_bound(exact, 2 * in_features, dtype)).all()
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=str)
+@pytest.mark.parametrize("batch", [1, 3, 17])
+def test_q8_0_rows_then_q6_k_rows_are_two_int8_weights(native, dtype, batch):
+    """Q8_0 rows (groups of 32) then Q6_K rows (of 16), as a fused qkv whose v is Q6_K
+    beside a Q8_0 q and k: two int8 group weights, one per group size (one weight holds
+    one size), which side by side compute x @ W.T + b for W the reference
+    dequantization."""
+    supported_or_skip(dtype, native)
+    in_features, rng = 512, np.random.default_rng(6)
+    shards = [FileRows(qtype, random_blocks(qtype, n, in_features, rng, 0.05), in_features)
+              for qtype, n in [(Q.Q8_0, 40), (Q.Q8_0, 24), (Q.Q6_K, 36)]]
+    reference = torch.cat([r.dequantize() for r in shards])
+    gen = torch.Generator().manual_seed(batch)
+    bias = torch.randn(reference.shape[0], generator=gen).to(dtype)
+    packed = choose_weight_format(dtype, CPU, "gguf", native).pack_rows(
+        reference.to(dtype), bias, shards)
+    assert isinstance(packed, StackedRowsWeight)
+    assert routes(packed) == [(NativeInt8GroupWeight, 32), (NativeInt8GroupWeight, 16)]
+    x = torch.randn(batch, in_features, generator=gen).to(dtype)
+    exact = x.double() @ reference.double().T + bias.double()
+    terms = x.double().abs() @ reference.double().abs().T + bias.double().abs()
+    got = packed(x)
+    assert got.dtype == dtype and got.shape == (batch, 100)
+    bound = float32_sums_bound(exact, terms, in_features + 1, dtype)
+    assert ((got.double() - exact).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("qtype", PLANE_TYPES, ids=lambda q: q.name)
@@ -263,38 +309,50 @@ def test_int4_kernel_on_file_planes_matches_the_reference_matmul(native, qtype, 
 def test_gguf_mode_computes_quantized_rows_on_their_blocks(k_model_dir, tmp_path, native):
     """--quantization gguf: projections whose rows are all Q4_K go to the int4 kernel with
     the file's groups, one of Q5_0 (a down projection, with the residual added in the
-    kernel) to the int8 kernel with the file's scales; a fused qkv of Q4_K and Q8_0 shards
-    is split: q and k on the int4 kernel, v on the int8 one; one with a Q6_K shard too: v's
-    values in the dtype; the logits are about as close to the float32 reference as the
-    bfloat16 model's."""
+    kernel) to the int8 kernel with the file's scales; a fused qkv of Q4_K and Q8_0 or
+    Q6_K shards is split: q and k on the int4 kernel, v on the int8 one (groups of 32, of
+    16); a gate_up of Q3_K and Q4_K too, and one of Q4_K and Q2_K: up's values in the
+    dtype; the untied Q6_K output head on the int8 kernel; the logits are about as close
+    to the float32 reference as the bfloat16 model's."""
     if not GGUFFormat.supports(BF16, native):
         pytest.skip("this CPU has no bfloat16 native linear kernels")
     path = str(tmp_path / "m.gguf")
     stored = write_gguf(k_model_dir, path, Q.Q4_K, overrides={
         "blk.0.attn_v.weight": Q.Q6_K, "blk.1.attn_v.weight": Q.Q8_0,
-        "blk.1.ffn_down.weight": Q.Q5_0})
+        "blk.1.ffn_down.weight": Q.Q5_0, "blk.0.ffn_up.weight": Q.Q2_K,
+        "blk.1.ffn_gate.weight": Q.Q3_K, "output.weight": Q.Q6_K})
     model, _ = load_model(path, BF16, CPU, "gguf", native)
     layer0, layer1 = model.model.layers
     assert isinstance(layer0.mlp.down_proj.packed, NativeInt4Weight)
     assert isinstance(layer1.mlp.down_proj.packed, NativeInt8GroupWeight)
-    for split, v_kind in [(layer0.self_attn.qkv_proj.packed, NativeWeight | OneDNNWeight),
-                          (layer1.self_attn.qkv_proj.packed, NativeInt8GroupWeight)]:
-        assert isinstance(split, StackedRowsWeight) and len(split.parts) == 2
-        assert isinstance(split.parts[0], NativeInt4Weight)  # q and k
-        assert isinstance(split.parts[1], v_kind)
+    assert isinstance(model.lm_head.packed, NativeInt8GroupWeight)
+    assert model.lm_head.packed.group == 16
+    dense = NativeWeight | OneDNNWeight
+    for split, kinds in [
+        (layer0.self_attn.qkv_proj.packed, [(NativeInt4Weight, None), (NativeInt8GroupWeight, 16)]),
+        (layer1.self_attn.qkv_proj.packed, [(NativeInt4Weight, None), (NativeInt8GroupWeight, 32)]),
+        (layer0.mlp.gate_up_proj.packed, [(NativeInt4Weight, None), (dense, None)]),
+        (layer1.mlp.gate_up_proj.packed, [(NativeInt8GroupWeight, 16), (NativeInt4Weight, None)]),
+    ]:
+        assert isinstance(split, StackedRowsWeight) and len(split.parts) == len(kinds)
+        for part, (kind, group) in zip(split.parts, kinds, strict=True):
+            assert isinstance(part, kind) and getattr(part, "group", None) == group
     # the packed blocks are the file's: the kernel times the identity gives the weights
-    for linear, names, inputs in [
-        (layer0.self_attn.qkv_proj, ["self_attn.q_proj", "self_attn.k_proj",
-                                     "self_attn.v_proj"], 256),
-        (layer0.mlp.down_proj, ["mlp.down_proj"], 512),
-        (layer1.mlp.down_proj, ["mlp.down_proj"], 512),
-        (layer1.self_attn.qkv_proj, ["self_attn.q_proj", "self_attn.k_proj",
-                                     "self_attn.v_proj"], 256),
+    qkv = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+    gate_up = ["mlp.gate_proj", "mlp.up_proj"]
+    for layer, linear, names, inputs in [
+        (0, layer0.self_attn.qkv_proj, qkv, 256),
+        (0, layer0.mlp.gate_up_proj, gate_up, 256),
+        (0, layer0.mlp.down_proj, ["mlp.down_proj"], 512),
+        (1, layer1.mlp.down_proj, ["mlp.down_proj"], 512),
+        (1, layer1.self_attn.qkv_proj, qkv, 256),
+        (1, layer1.mlp.gate_up_proj, gate_up, 256),
     ]:
         got = linear.packed(torch.eye(inputs, dtype=BF16)).float().t()
-        layer = 0 if linear in (layer0.self_attn.qkv_proj, layer0.mlp.down_proj) else 1
         weight = torch.cat([stored[f"model.layers.{layer}.{n}.weight"] for n in names])
         assert torch.equal(got, weight.to(BF16).float())
+    got = model.lm_head.packed(torch.eye(256, dtype=BF16)).float().t()
+    assert torch.equal(got, stored["lm_head.weight"].to(BF16).float())
     ref = AutoModelForCausalLM.from_pretrained(k_model_dir, dtype=torch.float32).eval()
     ref.load_state_dict(stored, strict=False)
     with torch.no_grad():
@@ -304,6 +362,31 @@ def test_gguf_mode_computes_quantized_rows_on_their_blocks(k_model_dir, tmp_path
     dense_got = PagedRunner(dense).step([(0, PROMPT)], all_tokens=True)
     error, dense_error = ((g - expected).abs().mean() for g in (got, dense_got))
     assert error <= dense_error * 2  # bfloat16 activations' rounding, not a wrong weight
+
+
+@pytest.mark.parametrize("qtype,kind", [(Q.Q6_K, NativeInt8GroupWeight),
+                                        (Q.Q8_0, NativeInt8GroupWeight),
+                                        (Q.Q4_K, NativeInt4Weight),
+                                        (Q.Q2_K, NativeWeight | OneDNNWeight)],
+                         ids=["Q6_K", "Q8_0", "Q4_K", "Q2_K"])
+def test_gguf_mode_computes_a_tied_head_on_the_embedding_blocks(tmp_path, native, qtype, kind):
+    """A tied output head (no ``output.weight``): its logits come from the embedding
+    tensor's own blocks, routed as any projection's rows of the type, while the token
+    lookup reads the embedding dequantized: both hold the file's weights."""
+    if not GGUFFormat.supports(BF16, native):
+        pytest.skip("this CPU has no bfloat16 native linear kernels")
+    hf_dir = make_tiny_model_dir(tmp_path / "hf", "llama", hidden_size=256,
+                                 intermediate_size=512, tie_word_embeddings=True)
+    path = str(tmp_path / "m.gguf")
+    stored = write_gguf(hf_dir, path, Q.Q4_K, overrides={"token_embd.weight": qtype})
+    model, _ = load_model(path, BF16, CPU, "gguf", native)
+    assert model.lm_head is None and isinstance(model.packed_tied_head, kind)
+    embedding = stored["model.embed_tokens.weight"].to(BF16)
+    assert torch.equal(model.model.embed_tokens.weight, embedding)
+    got = model.packed_tied_head(torch.eye(256, dtype=BF16)).t()
+    assert torch.equal(got, embedding)
+    hidden = torch.randn(3, 256, generator=torch.Generator().manual_seed(7)).to(BF16)
+    assert torch.equal(model.compute_logits(hidden), model.packed_tied_head(hidden).float())
 
 
 def test_gguf_mode_needs_a_gguf_file(tiny_model_dir, native):

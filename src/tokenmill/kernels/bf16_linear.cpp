@@ -1,6 +1,6 @@
 // Linear layers with bfloat16 activations on AVX512-BF16, over weights in bfloat16, in
-// int8 with one float32 scale per output row or per 32 inputs of a row, or in 4 bits with
-// a float32 scale and minimum per 32 inputs of a row:
+// int8 with one float32 scale per output row or per 16 or 32 inputs of a row, or in 4 bits
+// with a float32 scale and minimum per 32 inputs of a row:
 //
 //   bf16_pack_weight(w [N, K] bfloat16)                   -> packed (the layout below)
 //   bf16_linear(x [M, K], packed, N, bias?, residual?)    -> x @ w.T (+ bias) (+ residual)
@@ -99,13 +99,16 @@ struct Int8Weights {
   }
 };
 
-// int8 weights in groups of kGroup inputs, each (output, group) with a float32 scale:
-// w = q * scale (a GGUF Q8_0 block: its float16 d widened). Stored as Int8Weights
-// (int8_pack_weight). The products run on q (exact in bfloat16) and each group's float32
-// sum is scaled: sum_k x_k w_k = scale * sum_k x_k q_k.
+// int8 weights in groups of GROUP (16 or 32) inputs, each (output, group) with a float32
+// scale: w = q * scale (a GGUF Q8_0 block of 32: its float16 d widened; a Q6_K sub-block
+// of 16: d times its int8 sub-scale). Stored as Int8Weights (int8_pack_weight). The
+// products run on q (exact in bfloat16) and each group's float32 sum is scaled:
+// sum_k x_k w_k = scale * sum_k x_k q_k.
+template <int64_t GROUP>
 struct Int8GroupWeights : Int8Weights {
+  static_assert(GROUP % 2 == 0, "a group is whole pair records");
   static constexpr int kMaxRows = 6;  // 2 x 6 group sums + 2 x 6 totals in registers
-  static constexpr int64_t kGroup = 32;
+  static constexpr int64_t kGroup = GROUP;
   static constexpr bool kMins = false;
 };
 
@@ -437,15 +440,28 @@ void check_groups(const at::Tensor& x, std::initializer_list<const at::Tensor*> 
   }
 }
 
-// packed: int8_pack_weight's; scales [panels, K / 32, 32] float32 (output 32 p + o of
-// panel p at [p, group, o]).
+// int8_group_linear in groups of GROUP inputs.
+template <int64_t GROUP>
+at::Tensor int8_groups_linear(const at::Tensor& x, const at::Tensor& packed,
+                              const at::Tensor& scales, int64_t out_features,
+                              const std::optional<at::Tensor>& bias,
+                              const std::optional<at::Tensor>& residual) {
+  using W = Int8GroupWeights<GROUP>;
+  check_groups<W>(x, {&scales}, out_features, "scales");
+  return linear<W>(x, packed, nullptr, {scales.data_ptr<float>()}, out_features, bias,
+                   residual, at::kChar, "int8_pack_weight");
+}
+
+// packed: int8_pack_weight's; scales [panels, K / group, 32] float32 (output 32 p + o of
+// panel p at [p, group, o]), a group of 16 or 32 inputs (tokenmill::int8_group_size).
 at::Tensor int8_group_linear(const at::Tensor& x, const at::Tensor& packed,
                              const at::Tensor& scales, int64_t out_features,
                              const std::optional<at::Tensor>& bias,
                              const std::optional<at::Tensor>& residual) {
-  check_groups<Int8GroupWeights>(x, {&scales}, out_features, "scales");
-  return linear<Int8GroupWeights>(x, packed, nullptr, {scales.data_ptr<float>()},
-                                  out_features, bias, residual, at::kChar, "int8_pack_weight");
+  if (tokenmill::int8_group_size(x, scales) == 16) {
+    return int8_groups_linear<16>(x, packed, scales, out_features, bias, residual);
+  }
+  return int8_groups_linear<32>(x, packed, scales, out_features, bias, residual);
 }
 
 // packed [panels, K / 2, 2, 16] uint8 as Int4Weights describes; scales and mins

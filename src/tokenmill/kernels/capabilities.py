@@ -25,12 +25,12 @@ class KernelCapabilities:
     and its op is not registered in this build."""
 
     bf16_linear: bool
-    """Linear layers over bfloat16, int8 (a scale per output row or per 32 inputs) or int4
-    weights, bfloat16 activations (AVX512-BF16 and AVX512-BW)."""
+    """Linear layers over bfloat16, int8 (a scale per output row or per 16 or 32 inputs)
+    or int4 weights, bfloat16 activations (AVX512-BF16 and AVX512-BW)."""
     f32_linear: bool
-    """Linear layers over float32, int8 (a scale per output row or per 32 inputs) or int4
-    weights, float32 activations (AVX2 and FMA without AVX-512F: where oneDNN has AVX-512
-    its own kernels are twice this one's peak)."""
+    """Linear layers over float32, int8 (a scale per output row or per 16 or 32 inputs) or
+    int4 weights, float32 activations (AVX2 and FMA without AVX-512F: where oneDNN has
+    AVX-512 its own kernels are twice this one's peak)."""
     w4a8_linear: bool
     """4-bit weights times float32 activations quantized to int8 per block of 16 inputs,
     multiplied as integers (AVX2, FMA and F16C)."""

@@ -1,6 +1,6 @@
 // Linear layers with float32 activations on AVX2 + FMA, over weights in float32, in int8
-// with one float32 scale per output row or per 32 inputs of a row, or in 4 bits with a
-// float32 scale and minimum per 32 inputs of a row:
+// with one float32 scale per output row or per 16 or 32 inputs of a row, or in 4 bits with
+// a float32 scale and minimum per 32 inputs of a row:
 //
 //   f32_pack_weight(w [N, K] float32)                     -> packed (the layout below)
 //   f32_linear(x [M, K], packed, N, bias?, residual?)     -> x @ w.T (+ bias) (+ residual)
@@ -103,14 +103,17 @@ struct Int8Weights {
   }
 };
 
-// int8 weights in groups of kGroup inputs, each (output, group) with a float32 scale:
-// w = q * scale (a GGUF Q8_0 block: its float16 d widened), stored as Int8Weights
-// (int8_f32_pack_weight); scales are [panels, K / kGroup, 16]. Each record is scaled as it
-// is read, so every path (several panels, row chunks, a widened copy) multiplies x by the
-// same float32 weights: q * scale, exact where the scale has at most 16 significant bits
-// (a float16's 11), so the output is x @ w.T summed in float32.
+// int8 weights in groups of GROUP (16 or 32) inputs, each (output, group) with a float32
+// scale: w = q * scale (a GGUF Q8_0 block of 32: its float16 d widened; a Q6_K sub-block
+// of 16: d times its int8 sub-scale), stored as Int8Weights (int8_f32_pack_weight); scales
+// are [panels, K / GROUP, 16]. Each record is scaled as it is read, so every path (several
+// panels, row chunks, a widened copy) multiplies x by the same float32 weights: q * scale,
+// exact where it has at most 24 significant bits, as every GGUF type's does (Q8_0: d's 11
+// and q's 7; Q6_K: d's 11, the sub-scale's 7 and q's 5), so the output is x @ w.T summed
+// in float32.
+template <int64_t GROUP>
 struct Int8GroupWeights : Int8Weights {
-  static constexpr int64_t kGroup = 32;
+  static constexpr int64_t kGroup = GROUP;
   // ``scales``: the record's group's 16 scales
   static inline void load(const Elem* record, const float* scales, __m256& w0, __m256& w1) {
     Int8Weights::load(record, w0, w1);
@@ -252,7 +255,7 @@ struct Operands {
   const float* x;
   int64_t x_stride, k, n;
   const float* scales;  // per output, or null (1)
-  const float* group_scales;  // grouped kinds only: [panels, K / 32, 16] scales,
+  const float* group_scales;  // grouped kinds only: [panels, K / kGroup, 16] scales,
   const float* group_mins;  // and for int4 minimums
   const float* x_sums;  // and [M, K / 32] sums of each row of x per group
 
@@ -561,16 +564,28 @@ void check_groups(const at::Tensor& x, std::initializer_list<const at::Tensor*> 
   }
 }
 
-// packed: int8_f32_pack_weight's; scales [panels, K / 32, 16] float32 (output 16 p + o of
-// panel p at [p, group, o]).
+// int8_group_f32_linear in groups of GROUP inputs.
+template <int64_t GROUP>
+at::Tensor int8_groups_f32_linear(const at::Tensor& x, const at::Tensor& packed,
+                                  const at::Tensor& scales, int64_t out_features,
+                                  const std::optional<at::Tensor>& bias,
+                                  const std::optional<at::Tensor>& residual) {
+  using W = Int8GroupWeights<GROUP>;
+  check_groups<W>(x, {&scales}, out_features, "scales");
+  return linear<W>(x, packed, nullptr, {scales.data_ptr<float>()}, out_features, bias,
+                   residual, at::kChar, "int8_f32_pack_weight");
+}
+
+// packed: int8_f32_pack_weight's; scales [panels, K / group, 16] float32 (output 16 p + o
+// of panel p at [p, group, o]), a group of 16 or 32 inputs (tokenmill::int8_group_size).
 at::Tensor int8_group_f32_linear(const at::Tensor& x, const at::Tensor& packed,
                                  const at::Tensor& scales, int64_t out_features,
                                  const std::optional<at::Tensor>& bias,
                                  const std::optional<at::Tensor>& residual) {
-  check_groups<Int8GroupWeights>(x, {&scales}, out_features, "scales");
-  return linear<Int8GroupWeights>(x, packed, nullptr, {scales.data_ptr<float>()},
-                                  out_features, bias, residual, at::kChar,
-                                  "int8_f32_pack_weight");
+  if (tokenmill::int8_group_size(x, scales) == 16) {
+    return int8_groups_f32_linear<16>(x, packed, scales, out_features, bias, residual);
+  }
+  return int8_groups_f32_linear<32>(x, packed, scales, out_features, bias, residual);
 }
 
 // packed [panels, K / 2, 16] uint8 as Int4Weights describes; scales and mins

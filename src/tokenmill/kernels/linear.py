@@ -6,9 +6,9 @@ kernel and one rounding) with nothing between the call and the op.
 The kernels read the weight once per call and keep memory streaming while they compute:
 bfloat16 activations in panels of 32 outputs in VDPBF16PS's pair layout (AVX512-BF16),
 float32 ones in panels of 16 for 8-lane FMA (AVX2). int8 and int4 weights are widened in
-registers and scaled in float32 (int8 per output row or per 32 inputs of a row, int4 per 32
-inputs). A constructor raises ``KernelUnavailableError`` where ``KernelCapabilities`` says
-the kernel it needs is not in this build.
+registers and scaled in float32 (int8 per output row or per 16 or 32 inputs of a row, int4
+per 32 inputs). A constructor raises ``KernelUnavailableError`` where ``KernelCapabilities``
+says the kernel it needs is not in this build.
 """
 
 from __future__ import annotations
@@ -73,21 +73,30 @@ class NativeInt8Weight:
 
 
 class NativeInt8GroupWeight:
-    """int8 weights with one float32 scale per 32 inputs of a row, ``w = q * scale``:
-    ``groups`` is ``(q [out, in] int8, scales [out, in / 32] float32)``, a GGUF file's own
-    Q8_0 or Q5_0 blocks (``gguf_blocks.FileRows.int8_groups``). Packed as
-    ``NativeInt8Weight``'s ``q``, for ``int8_group_linear`` (bfloat16 activations: each
-    group's float32 sum of ``x q`` times its scale) or ``int8_group_f32_linear`` (float32:
-    ``x`` times the weights ``q * scale``, which float32 holds exactly for a scale of at most
-    16 significant bits, such as a widened float16). Either way the output is ``x @ w.T``
-    within float32 summation (and the one rounding to bfloat16). ``weight`` gives the shape
-    and the activations' dtype. Needs ``in % 32 == 0``."""
+    """int8 weights with one float32 scale per ``group`` inputs of a row, ``w = q * scale``:
+    ``groups`` is ``(q [out, in] int8, scales [out, in / group] float32)``, a GGUF file's own
+    blocks (``gguf_blocks.FileRows.int8_groups``: Q8_0 and Q5_0 in groups of 32, Q6_K and
+    Q3_K of 16). Packed as ``NativeInt8Weight``'s ``q``, for ``int8_group_linear``
+    (bfloat16 activations: each group's float32 sum of ``x q`` times its scale) or
+    ``int8_group_f32_linear`` (float32: ``x`` times the weights ``q * scale``, which float32
+    holds exactly where they have at most 24 significant bits, as GGUF's do). Either way
+    the output is ``x @ w.T`` within float32 summation (and the one rounding to bfloat16).
+    ``weight`` gives the shape and the activations' dtype. Invariant: ``group`` (the
+    kernels infer it from the scales' shape) is one of ``GROUPS`` and ``in == group *
+    scales.shape[1]``; else ``ValueError``."""
+
+    GROUPS = (16, 32)
 
     def __init__(self, kernels: NativeKernels, weight: torch.Tensor,
                  bias: torch.Tensor | None, groups: tuple[torch.Tensor, torch.Tensor]) -> None:
         ops = kernels.linear_kernels(weight.dtype)
         self.linear = ops.int8_group_linear
         q, scales = groups
+        in_features, count = q.shape[1], scales.shape[1]
+        self.group = in_features // count if count else 0
+        if self.group not in self.GROUPS or in_features != self.group * count:
+            raise ValueError(f"int8 groups of 16 or 32 inputs: {count} scales a row for "
+                             f"{in_features} inputs")
         self.packed = ops.int8_pack_weight(q)
         self.scales = group_panels(scales, panel_outputs(weight.dtype))
         self.out_features = weight.shape[0]

@@ -1,6 +1,7 @@
 // What every linear kernel checks of its optional epilogue operands: bias [out_features]
 // and residual [M, out_features], both in the activations' dtype, the bias contiguous and
-// the residual's rows contiguous.
+// the residual's rows contiguous; and the group size both int8 group kernels infer from
+// their scales.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -22,6 +23,19 @@ inline void check_bias_and_residual(const std::optional<at::Tensor>& bias,
                             residual->size(1) == out_features && residual->stride(1) == 1 &&
                             residual->scalar_type() == dtype),
               "residual must be [M, out_features] ", dtype_name, " with contiguous rows");
+}
+
+// The inputs per scale of int8 weights in groups (int8_group_linear,
+// int8_group_f32_linear): K / groups for x [M, K] and scales [panels, groups, outputs per
+// panel], which must be 16 or 32. The kernel checks the rest of both shapes.
+inline int64_t int8_group_size(const at::Tensor& x, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && scales.dim() == 3,
+              "x must be [M, K] and scales [panels, K / group, outputs per panel]");
+  const int64_t k = x.size(1), groups = scales.size(1);
+  TORCH_CHECK(groups > 0 && (k == 16 * groups || k == 32 * groups),
+              "scales must have one group per 16 or per 32 inputs: ", groups,
+              " groups for K = ", k);
+  return k / groups;
 }
 
 }  // namespace tokenmill

@@ -20,8 +20,8 @@ class KernelUnavailableError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class LinearKernels:
     """The native linear kernels for one activation dtype (bfloat16 or float32): plain,
-    int8 (a scale per output row, or per 32 inputs of a row: the same packing) and int4
-    weights."""
+    int8 (a scale per output row, or per 16 or 32 inputs of a row: the same packing) and
+    int4 weights."""
 
     pack_weight: sig.PackWeight
     linear: sig.FloatLinear

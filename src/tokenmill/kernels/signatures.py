@@ -95,8 +95,9 @@ class Int8Linear(Protocol):
 class Int8GroupLinear(Protocol):
     def __call__(self, x: Tensor, packed: Tensor, scales: Tensor, out_features: int,
                  bias: Tensor | None, residual: Tensor | None) -> Tensor:
-        """``FloatLinear`` over int8 weights times one float32 scale per 32 inputs of a row
-        (``linear.NativeInt8GroupWeight``'s layout)."""
+        """``FloatLinear`` over int8 weights times one float32 scale per 16 or 32 inputs of a
+        row, the group size ``K / scales.shape[1]`` (``linear.NativeInt8GroupWeight``'s
+        layout)."""
         ...
 
 

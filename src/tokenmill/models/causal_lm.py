@@ -77,6 +77,8 @@ class PagedCausalLM(nn.Module):
                         None if weight_format is None else weight_format.head)
         )
         self.packed_tied_head: PackedWeight | None = None
+        # a tied head's file rows (the embedding's, from a GGUF file), kept for ``pack``
+        self._tied_head_rows: FileRows | None = None
         q = config.num_attention_heads * config.head_dim
         kv = config.num_key_value_heads * config.head_dim
         inter = config.intermediate_size
@@ -136,13 +138,18 @@ class PagedCausalLM(nn.Module):
     def pack(self) -> None:
         """Convert every projection to the model's weight format (see ``weight_formats``);
         call once, after ``load_weights``. The output head takes the format's ``head``; a
-        tied one gets a packed copy of the embedding, which the token lookup still needs."""
+        tied one gets a packed copy of the embedding, which the token lookup still needs
+        (from the file's own rows where the embedding was read from a GGUF file's blocks,
+        as an untied head's are)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
         if self.lm_head is None and self.weight_format is not None:
-            self.packed_tied_head = self.weight_format.head.pack(
-                self.model.embed_tokens.weight.data, None)
+            head, embedding = self.weight_format.head, self.model.embed_tokens.weight.data
+            rows = self._tied_head_rows
+            self.packed_tied_head = (head.pack(embedding, None) if rows is None
+                                     else head.pack_rows(embedding, None, [rows]))
+            self._tied_head_rows = None
 
     def convert_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The checkpoint tensor ``name`` as its parameter holds it (the identity here; a
@@ -152,7 +159,8 @@ class PagedCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | FileRows]]) -> None:
         """Copy Hugging Face-named tensors into the parameters (cast to their dtype/device).
         A GGUF file's rows (``FileRows``) are dequantized into the parameter, and a
-        projection (``Linear``) also keeps them, for its weight format.
+        projection (``Linear``), or the embedding of a tied output head, also keeps them,
+        for its weight format.
 
         Raises ``ModelLoadError`` on an unknown name, a shape mismatch, or when some
         parameter (or shard of a fused one) received no tensor.
@@ -180,6 +188,8 @@ class PagedCausalLM(nn.Module):
                 module = modules[target.rsplit(".", 1)[0]]
                 if isinstance(module, Linear):
                     module.keep_file_rows(lo, tensor)
+                elif module is self.model.embed_tokens and self.lm_head is None:
+                    self._tied_head_rows = tensor
                 tensor = tensor.dequantize()
             dst.copy_(self.convert_weight(name, tensor))
             seen.add(name)

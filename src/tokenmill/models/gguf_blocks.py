@@ -7,9 +7,14 @@ row) in torch's row order, and decodes it:
 - ``dequantize()``: float32 ``[rows, cols]`` by the gguf package's reference
   dequantization (``gguf.quants.dequantize``), bit for bit.
 - ``int8_groups()``, for ``INT8_GROUP_TYPES`` only: the weight as int8 ``q`` and a float32
-  scale per 32 inputs of a row, ``w = q * scale``: Q8_0 (``d q``, ``q`` int8) gives ``(q,
-  d)``; Q5_0 (``d (q - 16)``, ``q`` in 0..31) ``(q - 16, d)``. The scale is the block's
-  float16 ``d`` widened, so ``q * scale`` in float32 equals ``dequantize()`` bit for bit.
+  scale per ``int8_group`` inputs of a row (``INT8_GROUPS``), ``w = q * scale``. Per 32:
+  Q8_0 (``d q``, ``q`` int8) gives ``(q, d)``; Q5_0 (``d (q - 16)``, ``q`` in 0..31)
+  ``(q - 16, d)``, the scale the block's float16 ``d`` widened. Per 16, in a super-block
+  of 256 with a float16 ``d``: Q6_K (``d sc (q - 32)``, ``sc`` int8 per 16, ``q`` 6-bit)
+  gives ``(q - 32, d sc)``; Q3_K (``d (sc - 32) q``, ``sc`` 6-bit per 16, ``q`` in -4..3)
+  ``(q, d (sc - 32))``, the scale exact in float32 (11 by at most 7 significant bits).
+  Either way ``scale`` is the float32 number the reference multiplies ``q`` by, so ``q *
+  scale`` in float32 equals ``dequantize()`` bit for bit.
 - ``int4_planes()``, for ``PLANE_TYPES`` only: the weight as a sum of one or two 4-bit
   planes, each ``(q, scales, mins)`` with ``q`` in 0..15 and a float32 scale and minimum
   per 32 inputs of a row, ``w = sum over planes of (q * scale + min)``. Every product
@@ -40,7 +45,6 @@ SUPPORTED_TYPES = (
     Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
 )
-GROUP = 32  # inputs per scale of int8_groups() and int4_planes()
 Int8Groups = tuple[torch.Tensor, torch.Tensor]  # q, scales
 Int4Plane = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q, scales, mins
 
@@ -70,9 +74,15 @@ class FileRows:
             array = np.array(array)
         return torch.from_numpy(array.reshape(self.shape))
 
+    @property
+    def int8_group(self) -> int:
+        """Inputs per scale of ``int8_groups()``: 32 or 16; only for ``INT8_GROUP_TYPES``."""
+        return INT8_GROUPS[self.qtype]
+
     def int8_groups(self) -> Int8Groups:
-        """The weight as ``(q [rows, cols] int8, scales [rows, cols / 32] float32)``, ``w =
-        q * scale`` exactly (see the module's docstring); only for ``INT8_GROUP_TYPES``."""
+        """The weight as ``(q [rows, cols] int8, scales [rows, cols / int8_group] float32)``,
+        ``w = q * scale`` exactly (see the module's docstring); only for
+        ``INT8_GROUP_TYPES``."""
         assert self.qtype in INT8_GROUP_TYPES, f"{self.qtype.name} has no int8 groups"
         q, scales = _INT8_DECODERS[self.qtype](self._blocks())
         return self._matrix(q), self._per_group(scales)
@@ -94,9 +104,9 @@ class FileRows:
         return torch.from_numpy(values.reshape(self.shape))
 
     def _per_group(self, values: np.ndarray) -> torch.Tensor:
-        """``[blocks, groups per block]`` values -> ``[rows, cols / GROUP]``."""
-        rows, cols = self.shape
-        return torch.from_numpy(values.reshape(rows, cols // GROUP))
+        """``[blocks, groups per block]`` values -> ``[rows, groups per row]`` (a row is
+        whole blocks)."""
+        return torch.from_numpy(values.reshape(self.shape[0], -1))
 
 
 def _f16(field: np.ndarray) -> np.ndarray:
@@ -104,11 +114,18 @@ def _f16(field: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(field).view(np.float16).astype(np.float32)
 
 
+def _fields(qs: np.ndarray, run: int, width: int) -> np.ndarray:
+    """``[blocks, B]`` bytes -> ``[blocks, 8 B / width]`` values of ``width`` bits: each run
+    of ``run`` bytes gives its lowest fields, then the next ones up (GGUF's order within a
+    block)."""
+    shifts = np.arange(0, 8, width, dtype=np.uint8).reshape(1, 1, -1, 1)
+    split = qs.reshape(qs.shape[0], -1, 1, run) >> shifts
+    return (split & np.uint8((1 << width) - 1)).reshape(qs.shape[0], -1)
+
+
 def _nibbles(qs: np.ndarray, run: int) -> np.ndarray:
-    """``[blocks, B]`` bytes -> ``[blocks, 2 B]`` 4-bit values: each run of ``run`` bytes
-    gives its low nibbles, then its high ones (GGUF's order within a block)."""
-    split = qs.reshape(qs.shape[0], -1, 1, run) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
-    return (split & np.uint8(0x0F)).reshape(qs.shape[0], -1)
+    """``_fields`` of 4 bits: each run's low nibbles, then its high ones."""
+    return _fields(qs, run, 4)
 
 
 def _bits(qh: np.ndarray, count: int) -> np.ndarray:
@@ -127,6 +144,23 @@ def _q8_0(blocks: np.ndarray) -> NpGroups:
 def _q5_0(blocks: np.ndarray) -> NpGroups:
     q = _nibbles(blocks[:, 6:], 16) | (_bits(blocks[:, 2:6], 32) << np.uint8(4))
     return q.astype(np.int8) - np.int8(16), _f16(blocks[:, :2])
+
+
+def _q6_k(blocks: np.ndarray) -> NpGroups:
+    """ql (128 bytes: q's low nibbles), qh (64: its high 2 bits), sc (16 int8), d."""
+    q = _nibbles(blocks[:, :128], 64) | (_fields(blocks[:, 128:192], 32, 2) << np.uint8(4))
+    sc = blocks[:, 192:208].view(np.int8).astype(np.float32)
+    return q.astype(np.int8) - np.int8(32), _f16(blocks[:, 208:210]) * sc
+
+
+def _q3_k(blocks: np.ndarray) -> NpGroups:
+    """hmask (32 bytes: a set bit means no -4), qs (64: q's low 2 bits), sc (12: 16 6-bit
+    values, the low nibbles in 8 bytes, the high 2 bits in 4), d."""
+    low = _fields(blocks[:, 32:96], 32, 2).astype(np.int8)
+    minus_4 = (_fields(blocks[:, :32], 32, 1) ^ np.uint8(1)) << np.uint8(2)
+    sc = _nibbles(blocks[:, 96:104], 8) | (_fields(blocks[:, 104:108], 4, 2) << np.uint8(4))
+    scales = _f16(blocks[:, 108:110]) * (sc.astype(np.int8) - np.int8(32)).astype(np.float32)
+    return low - minus_4.astype(np.int8), scales
 
 
 def _q4_0(blocks: np.ndarray) -> list[NpPlane]:
@@ -165,7 +199,8 @@ def _q5_k(blocks: np.ndarray) -> list[NpPlane]:
              np.zeros_like(mins))]
 
 
-_INT8_DECODERS = {Q.Q8_0: _q8_0, Q.Q5_0: _q5_0}
+_INT8_DECODERS = {Q.Q8_0: _q8_0, Q.Q5_0: _q5_0, Q.Q6_K: _q6_k, Q.Q3_K: _q3_k}
 _PLANE_DECODERS = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q4_K: _q4_k, Q.Q5_1: _q5_1, Q.Q5_K: _q5_k}
-INT8_GROUP_TYPES = tuple(_INT8_DECODERS)  # the types int8 with a scale per 32 holds exactly
+INT8_GROUP_TYPES = tuple(_INT8_DECODERS)  # the types int8 with a scale per group holds exactly
+INT8_GROUPS = {Q.Q8_0: 32, Q.Q5_0: 32, Q.Q6_K: 16, Q.Q3_K: 16}  # their inputs per scale
 PLANE_TYPES = tuple(_PLANE_DECODERS)  # the others that 4-bit planes hold (see above)

@@ -24,11 +24,12 @@ and accuracy costs):
   to int8 per block of 16 inputs at every call, multiplied as integers. No PyTorch form.
   The output head keeps 8 bits (native int8 where the CPU has the float32 kernels).
 - ``GGUFFormat``: ``--quantization gguf``, a GGUF file's own values (``docs/gguf.md``):
-  rows of Q8_0 and Q5_0 (``gguf_blocks.INT8_GROUP_TYPES``) compute as int8 with a scale per
-  32 inputs in the native int8 kernel, rows of a type that 4-bit planes hold
-  (``gguf_blocks.PLANE_TYPES``: Q4_0, Q4_1, Q4_K in one, Q5_1, Q5_K in two) on them in the
-  native int4 kernel, both exactly; the rows of other types in the format ``none`` gives
-  them (their values in the dtype: exact in float32).
+  rows of Q8_0 and Q5_0, Q6_K and Q3_K (``gguf_blocks.INT8_GROUP_TYPES``) compute as int8
+  with a scale per 32 or per 16 inputs in the native int8 kernel, rows of a type that
+  4-bit planes hold (``gguf_blocks.PLANE_TYPES``: Q4_0, Q4_1, Q4_K in one, Q5_1, Q5_K in
+  two) on them in the native int4 kernel, both exactly; the rows of other types (Q2_K,
+  the float types) in the format ``none`` gives them (their values in the dtype: exact in
+  float32).
 - None: plain ``F.linear`` (CUDA, or no packed form for this dtype here).
 
 Every packed format computes each row of a call alone at a decode or verify step's sizes
@@ -44,7 +45,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
-from gguf import GGMLQuantizationType
 
 from tokenmill.errors import InvalidParameterError
 from tokenmill.kernels import NativeKernels
@@ -202,15 +202,16 @@ class NativeW4A8Format(KernelWeightFormat):
 
 
 class GGUFFormat(WeightFormat):
-    """A GGUF file's own values, unchanged, each run of rows of one route (``_packer``) packed
-    on its own: rows of ``INT8_GROUP_TYPES`` on the native int8 kernel with a scale per 32
-    inputs (``NativeInt8GroupWeight``); rows of ``PLANE_TYPES`` on the native int4 kernel as
-    their 4-bit planes (one plane: ``NativeInt4Weight``; two: ``NativeInt4PlanesWeight``,
-    rows of one plane given a zero second one); the others (and a tied output head, packed
-    from the embedding) in ``dense``, the format ``none`` takes (never None where this
-    format is supported: the native linear kernels take the dtype there, so the native
-    dense format or oneDNN does). A fused projection whose shards take different routes is
-    split where the route changes (``StackedRowsWeight``)."""
+    """A GGUF file's own values, unchanged, each run of rows of one route (``_route``) packed
+    on its own: rows of ``INT8_GROUP_TYPES`` on the native int8 kernel with a scale per
+    ``FileRows.int8_group`` (32 or 16) inputs (``NativeInt8GroupWeight``); rows of
+    ``PLANE_TYPES`` on the native int4 kernel as their 4-bit planes (one plane:
+    ``NativeInt4Weight``; two: ``NativeInt4PlanesWeight``, rows of one plane given a zero
+    second one); the others, and any weight ``pack``ed without the file's rows, in
+    ``dense``, the format ``none`` takes (never None where this format is supported: the
+    native linear kernels take the dtype there, so the native dense format or oneDNN
+    does). A fused projection whose shards take different routes, or int8 groups of
+    different sizes, is split where that changes (``StackedRowsWeight``)."""
 
     def __init__(self, kernels: NativeKernels, dense: WeightFormat) -> None:
         self.kernels = kernels
@@ -226,7 +227,7 @@ class GGUFFormat(WeightFormat):
     def pack_rows(self, weight: torch.Tensor, bias: torch.Tensor | None,
                   rows: list[FileRows]) -> PackedWeight:
         parts, first = [], 0
-        for packer, run in itertools.groupby(rows, key=lambda r: self._packer(r.qtype)):
+        for (packer, _), run in itertools.groupby(rows, key=self._route):
             run = list(run)
             last = first + sum(r.shape[0] for r in run)
             part_bias = None if bias is None else bias[first:last]
@@ -234,13 +235,15 @@ class GGUFFormat(WeightFormat):
             first = last
         return parts[0] if len(parts) == 1 else StackedRowsWeight(parts)
 
-    def _packer(self, qtype: GGMLQuantizationType) -> RowsPacker:
-        """The route of rows of ``qtype``: the method that packs a run of them."""
-        if qtype in INT8_GROUP_TYPES:
-            return self._pack_int8_groups
-        if qtype in PLANE_TYPES:
-            return self._pack_planes
-        return self._pack_dense
+    def _route(self, rows: FileRows) -> tuple[RowsPacker, int | None]:
+        """The route of ``rows``: the method that packs a run of rows like them, and for
+        int8 groups their inputs per scale (one weight holds one group size), else None.
+        Rows of equal routes pack together."""
+        if rows.qtype in INT8_GROUP_TYPES:
+            return self._pack_int8_groups, rows.int8_group
+        if rows.qtype in PLANE_TYPES:
+            return self._pack_planes, None
+        return self._pack_dense, None
 
     def _pack_int8_groups(self, weight: torch.Tensor, bias: torch.Tensor | None,
                           rows: list[FileRows]) -> PackedWeight:
