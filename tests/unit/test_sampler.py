@@ -201,6 +201,37 @@ def test_logprobs_are_raw_log_softmax(device) -> None:
     assert third.logprob == pytest.approx(raw[2].max().item(), abs=1e-5)
 
 
+def test_logprobs_over_a_large_vocabulary_with_ties() -> None:
+    """A vocabulary of many blocks and a partial one, bfloat16 logits full of ties, rows
+    that ask and rows that don't, through the native sampling route: the top-n are
+    ``topk``'s values, equal values in id order; ranks count the larger logprobs; a second
+    call reusing the scratch buffer gives the same answers."""
+    kernels = choose_kernels("auto", torch.device("cpu"))
+    vocab = 70_000  # 273 blocks of 256 and 112 ids more
+    logits = random_logits(5, vocab, seed=11).to(torch.bfloat16)
+    logits[3, -5:] = logits[3].max() + 1  # the largest values in the partial block, tied
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    params = [SamplingParams(temperature=1.0, seed=i, logprobs=None if i == 1 else 20)
+              for i in range(5)]
+    sampler = Sampler(kernels)
+    outs = [sample(logits, params, sampler=sampler, output_token_ids=[[]] * 5)
+            for _ in range(2)]
+    assert outs[0] == outs[1]
+    out = outs[0]
+    assert out.logprobs[1] is None
+    for row in (0, 2, 3, 4):
+        entry = out.logprobs[row]
+        assert entry.rank == int((raw[row] > raw[row, entry.token_id]).sum()) + 1
+        assert entry.logprob == pytest.approx(raw[row, entry.token_id].item(), abs=1e-5)
+        values = raw[row].topk(20).values.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(values, abs=1e-5)
+        ids = [t for t, _ in entry.top]
+        assert [raw[row, t].item() for t in ids] == [v for _, v in entry.top]
+        expected = sorted(range(vocab), key=lambda t: (-raw[row, t].item(), t))[:20]
+        assert ids == expected
+    assert [t for t, _ in out.logprobs[3].top[:5]] == list(range(vocab - 5, vocab))
+
+
 def test_native_kernels_pick_what_pytorch_picks() -> None:
     """With the native kernels, an all-greedy batch takes ``argmax_rows`` and a batch of
     temperatures alone ``sample_rows``, over bfloat16 logits as they are: greedy tokens are

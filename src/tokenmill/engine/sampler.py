@@ -30,7 +30,9 @@ argmax of them as they are (the native ``argmax_rows`` where the engine has the 
 kernels; a conversion to float32 is exact, so the answer is the same), and with the native
 ``sample_rows`` a batch that uses nothing but temperatures samples them as they are (the
 same inversion of the cumulative distribution at the same u, in one pass over each row);
-everything else widens them to float32 first.
+everything else widens them to float32 first. Asking for logprobs does not change the
+route a row's token takes: the raw logprobs are computed beside it, from logits the
+sampler has not yet written into.
 
 NOTE: the sampler writes into ``logits`` in place; callers pass a tensor they no longer need.
 """
@@ -49,6 +51,8 @@ from tokenmill.kernels import NativeKernels
 # Top-p first looks for its cut among this many most likely tokens, and sorts the whole
 # vocabulary only for a row whose candidates hold less than its top_p.
 _TOP_P_CANDIDATES = 1024
+# Logprobs' top-k looks in blocks of this many ids (see _top_k).
+_TOP_K_BLOCK = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +69,7 @@ class Sampler:
     def __init__(self, kernels: NativeKernels | None = None) -> None:
         self._generators: dict[torch.device, torch.Generator] = {}
         self._kernels = kernels
+        self._scratch: torch.Tensor | None = None  # _raw_logprobs' output, reused
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -76,30 +81,48 @@ class Sampler:
         if batch.grammar_rows is not None:
             assert batch.grammar_bitmask is not None
             apply_bitmask(logits, batch.grammar_rows, batch.grammar_bitmask)
-        plain = batch.penalties is None and batch.banned is None and batch.logprob_rows is None
+        raw_logprobs = self._raw_logprobs(logits, batch)
+        plain = batch.penalties is None and batch.banned is None
         if plain and batch.all_greedy:
-            return SamplerOutput(self._greedy(logits).tolist(), [None] * batch.num_rows)
-        if (plain and self._kernels is not None and batch.min_p is None
+            tokens = self._greedy(logits)
+        elif (plain and self._kernels is not None and batch.min_p is None
                 and batch.top_k is None and batch.top_p_rows is None):
             assert batch.temperature is not None, "built whenever a row samples"
             tokens = self._kernels.sample_rows(logits, batch.temperature.view(-1),
                                                self._uniforms(batch, logits.device).view(-1))
             if batch.greedy is not None:
                 tokens = torch.where(batch.greedy, self._greedy(logits), tokens)
-            return SamplerOutput(tokens.tolist(), [None] * batch.num_rows)
-        logits = logits.float()
-        raw_logprobs = (torch.log_softmax(logits[batch.logprob_rows], dim=-1)
-                        if batch.logprob_rows is not None else None)
+        else:
+            tokens = self._filter_and_sample(logits.float(), batch)
+        token_ids = tokens.tolist()
+        return SamplerOutput(token_ids, _gather_logprobs(raw_logprobs, token_ids, batch))
+
+    def _raw_logprobs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
+        """``log_softmax`` in float32 of the rows that asked for logprobs (None if none
+        did), written into the sampler's scratch buffer, which every call reuses (a new
+        tensor of 16 MiB a step, 16 rows of a 262k vocabulary, cost its page faults): valid
+        until the next call. What the sampler then writes into ``logits`` does not reach
+        it."""
+        if batch.logprob_rows is None:
+            return None
+        if len(batch.logprob_row_list) < batch.num_rows:
+            logits = logits[batch.logprob_rows]
+        size = logits.numel()
+        if (self._scratch is None or self._scratch.numel() < size
+                or self._scratch.device != logits.device):
+            self._scratch = torch.empty(size, dtype=torch.float32, device=logits.device)
+        out = self._scratch[:size].view(logits.shape)
+        return torch.log_softmax(logits, dim=-1, dtype=torch.float32, out=out)
+
+    def _filter_and_sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Tokens after the bans and penalties (written into ``logits``), then the filters."""
         if batch.banned is not None:
             logits[batch.banned] = float("-inf")
         if batch.penalties is not None:
             _apply_penalties(logits, batch.penalties)
         if batch.all_greedy:
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample(logits, batch)
-        token_ids = tokens.tolist()
-        return SamplerOutput(token_ids, _gather_logprobs(raw_logprobs, token_ids, batch))
+            return logits.argmax(dim=-1)
+        return self._sample(logits, batch)
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         if self._kernels is not None:
@@ -183,17 +206,39 @@ def _apply_top_p(logits: torch.Tensor, rows: torch.Tensor, top_p: torch.Tensor) 
     logits[rows] = sub.masked_fill_(~keep, float("-inf"))
 
 
+def _top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``k`` largest values and their ids, largest first, ties to the lower id.
+
+    Found by blocks of ``_TOP_K_BLOCK`` (``topk`` over a whole 262k vocabulary is most of a
+    step's logprob cost): the ``k`` largest values lie in the ``k`` blocks whose maxima are
+    largest, plus the last partial block; only those candidates are sorted. Blocks of equal
+    maxima are taken in id order, so the tied values that make the cut are the lowest ids'."""
+    rows, width = values.shape
+    whole = width // _TOP_K_BLOCK * _TOP_K_BLOCK
+    maxima = values[:, :whole].view(rows, -1, _TOP_K_BLOCK).amax(dim=-1)
+    ranked = maxima.sort(dim=-1, descending=True, stable=True).indices
+    blocks = ranked[:, :k].sort(dim=-1).values
+    offsets = torch.arange(_TOP_K_BLOCK, device=values.device)
+    ids = torch.cat([(blocks[:, :, None] * _TOP_K_BLOCK + offsets).view(rows, -1),
+                     torch.arange(whole, width, device=values.device).expand(rows, -1)], dim=1)
+    candidates, order = values.gather(1, ids).sort(dim=-1, descending=True, stable=True)
+    return candidates[:, :k], ids.gather(1, order[:, :k])
+
+
 def _gather_logprobs(raw_logprobs: torch.Tensor | None, token_ids: list[int],
                      batch: SamplingBatch) -> list[TokenLogprob | None]:
-    """Sampled token's raw logprob and rank, and the top-n, fetched in one transfer."""
+    """Sampled token's raw logprob and rank, and the top-n, fetched in one transfer.
+    Consumes ``raw_logprobs`` (the ranks are counted in place)."""
     out: list[TokenLogprob | None] = [None] * batch.num_rows
     if raw_logprobs is None:
         return out
     rows = batch.logprob_row_list
     sampled = torch.tensor([token_ids[r] for r in rows], device=raw_logprobs.device)
     sampled_logprobs = raw_logprobs.gather(1, sampled.unsqueeze(1))
-    ranks = (raw_logprobs > sampled_logprobs).sum(dim=-1, keepdim=True) + 1
-    top_values, top_ids = raw_logprobs.topk(batch.max_num_logprobs, dim=-1)
+    top_values, top_ids = _top_k(raw_logprobs, batch.max_num_logprobs)
+    # lp - s > 0 exactly where lp > s (float subtraction of unequal numbers is never 0); in
+    # place, summing 0.0/1.0: a third of the time of a sum of a new tensor of booleans
+    ranks = raw_logprobs.sub_(sampled_logprobs).gt_(0).sum(dim=-1, keepdim=True) + 1
     # Float32 holds every id and rank exactly (vocabularies are far below 2**24).
     packed = torch.cat([sampled_logprobs, ranks.float(), top_values, top_ids.float()], dim=1)
     k = batch.max_num_logprobs
