@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from int8_groups import group_weight, int8_groups
 
 from tokenmill.kernels.linear import NativeInt4Weight, NativeInt8GroupWeight
 
@@ -33,22 +34,6 @@ def assert_one_rounding(actual: torch.Tensor, exact: torch.Tensor, k: int) -> No
     """Within one bfloat16 rounding of the exact result, plus float32 summation error."""
     bound = exact.abs() * 2.0**-8 + k * 2.0**-22 * exact.abs().max()
     assert ((actual.double() - exact).abs() <= bound).all()
-
-
-def int8_groups(out_features: int, in_features: int, gen: torch.Generator, group: int = 32
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random int8 q and a scale per ``group`` inputs of a row, float16 values (as a GGUF
-    Q8_0 block's d): q * scale is exact in float32."""
-    q = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
-    scales = torch.rand(out_features, in_features // group, generator=gen) / 100
-    return q, scales.half().float()
-
-
-def group_weight(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """What int8 groups stand for, q * scale, in float64 (the group size: the inputs per
-    scale)."""
-    group = q.shape[1] // scales.shape[1]
-    return (q.double().view(q.shape[0], -1, group) * scales.double()[..., None]).view(q.shape)
 
 
 # rows: 1 (a decode step), 13 (two row chunks), 40 (four), 130 (a prefill: many chunks);

@@ -554,14 +554,7 @@ at::Tensor int8_f32_linear(const at::Tensor& x, const at::Tensor& packed,
 template <typename W>
 void check_groups(const at::Tensor& x, std::initializer_list<const at::Tensor*> params,
                   int64_t out_features, const char* names) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % W::kGroup == 0,
-              "x must be [M, K] with K a multiple of ", W::kGroup);
-  for (const at::Tensor* t : params) {
-    TORCH_CHECK(t->dim() == 3 && t->size(0) == panels_for(out_features) &&
-                    t->size(1) == x.size(1) / W::kGroup && t->size(2) == kPanel &&
-                    t->is_contiguous() && t->scalar_type() == at::kFloat,
-                names, " must be [panels, K / ", W::kGroup, ", ", kPanel, "] float32");
-  }
+  tokenmill::check_group_params(x, params, W::kGroup, panels_for(out_features), kPanel, names);
 }
 
 // int8_group_f32_linear in groups of GROUP inputs.

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 
 namespace tokenmill {
@@ -36,6 +37,21 @@ inline int64_t int8_group_size(const at::Tensor& x, const at::Tensor& scales) {
               "scales must have one group per 16 or per 32 inputs: ", groups,
               " groups for K = ", k);
   return k / groups;
+}
+
+// The checks of a grouped weight kind's per-group tensors ``params`` (scales, and int4's
+// minimums; ``names`` says which): each [panels, K / group, panel] float32, contiguous, for
+// x [M, K] with K a multiple of ``group``.
+inline void check_group_params(const at::Tensor& x,
+                               std::initializer_list<const at::Tensor*> params, int64_t group,
+                               int64_t panels, int64_t panel, const char* names) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % group == 0,
+              "x must be [M, K] with K a multiple of ", group);
+  for (const at::Tensor* t : params) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == panels && t->size(1) == x.size(1) / group &&
+                    t->size(2) == panel && t->is_contiguous() && t->scalar_type() == at::kFloat,
+                names, " must be [panels, K / ", group, ", ", panel, "] float32");
+  }
 }
 
 }  // namespace tokenmill
