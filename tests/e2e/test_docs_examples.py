@@ -101,6 +101,7 @@ NOT_RUN = {
 # --flags that are not tokenmill's, with whose they are
 FOREIGN_FLAGS = {"--no-deps": "pip install's",
                  "--allow-requantize": "llama.cpp's llama-quantize (docs/gguf.md)",
+    "--no-repack": "llama.cpp's llama-perplexity and llama-server (docs/gguf.md)",
                  "--cpus": "docker run's CPU quota (docs/performance.md)"}
 
 # Metric names the docs use that no server exports: the prometheus-adapter's custom metric.
