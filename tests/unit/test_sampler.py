@@ -10,6 +10,17 @@ from tokenmill.kernels import choose_kernels
 from tokenmill.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# Logprobs by PyTorch's ops, and by the native logprob_rows where the kernels build.
+LOGPROB_ROUTES = ["torch", "native"]
+
+
+def logprob_sampler(route: str, device: str = "cpu") -> Sampler:
+    if route == "torch":
+        return Sampler()
+    kernels = choose_kernels("auto", torch.device(device))
+    if kernels is None:
+        pytest.skip(f"no native kernels on {device} here")
+    return Sampler(kernels)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], device: str = "cpu",
@@ -179,15 +190,18 @@ def test_seeded_rows_ignore_the_rest_of_the_batch() -> None:
     assert other_seed != sequence
 
 
+@pytest.mark.parametrize("route", LOGPROB_ROUTES)
 @pytest.mark.parametrize("device", DEVICES)
-def test_logprobs_are_raw_log_softmax(device) -> None:
+def test_logprobs_are_raw_log_softmax(device, route) -> None:
+    """Raw: from the logits before the penalty and the filters (the native route reads
+    them after sampling from a copy)."""
     logits = random_logits(3, 300, seed=8)
     raw = torch.log_softmax(logits, dim=-1)
     params = [SamplingParams(temperature=0.7, top_k=20, repetition_penalty=1.5, logprobs=5),
               SamplingParams(temperature=0.0),
               SamplingParams(temperature=0.0, logprobs=0)]
-    out = sample(logits, params, device, prompt_token_ids=[[1, 2, 3], [], []],
-                 output_token_ids=[[4], [], []])
+    out = sample(logits, params, device, sampler=logprob_sampler(route, device),
+                 prompt_token_ids=[[1, 2, 3], [], []], output_token_ids=[[4], [], []])
     assert out.logprobs[1] is None
     first, third = out.logprobs[0], out.logprobs[2]
     assert first.token_id == out.token_ids[0]
@@ -201,19 +215,19 @@ def test_logprobs_are_raw_log_softmax(device) -> None:
     assert third.logprob == pytest.approx(raw[2].max().item(), abs=1e-5)
 
 
-def test_logprobs_over_a_large_vocabulary_with_ties() -> None:
+@pytest.mark.parametrize("route", LOGPROB_ROUTES)
+def test_logprobs_over_a_large_vocabulary_with_ties(route) -> None:
     """A vocabulary of many blocks and a partial one, bfloat16 logits full of ties, rows
-    that ask and rows that don't, through the native sampling route: the top-n are
-    ``topk``'s values, equal values in id order; ranks count the larger logprobs; a second
-    call reusing the scratch buffer gives the same answers."""
-    kernels = choose_kernels("auto", torch.device("cpu"))
+    that ask and rows that don't: the top-n are ``topk``'s values, equal values in id
+    order; ranks count the larger logprobs; a second call (reusing the PyTorch route's
+    scratch buffer) gives the same answers."""
+    sampler = logprob_sampler(route)
     vocab = 70_000  # 273 blocks of 256 and 112 ids more
     logits = random_logits(5, vocab, seed=11).to(torch.bfloat16)
     logits[3, -5:] = logits[3].max() + 1  # the largest values in the partial block, tied
     raw = torch.log_softmax(logits.float(), dim=-1)
     params = [SamplingParams(temperature=1.0, seed=i, logprobs=None if i == 1 else 20)
               for i in range(5)]
-    sampler = Sampler(kernels)
     outs = [sample(logits, params, sampler=sampler, output_token_ids=[[]] * 5)
             for _ in range(2)]
     assert outs[0] == outs[1]
@@ -226,7 +240,8 @@ def test_logprobs_over_a_large_vocabulary_with_ties() -> None:
         values = raw[row].topk(20).values.tolist()
         assert [v for _, v in entry.top] == pytest.approx(values, abs=1e-5)
         ids = [t for t, _ in entry.top]
-        assert [raw[row, t].item() for t in ids] == [v for _, v in entry.top]
+        assert [v for _, v in entry.top] == pytest.approx([raw[row, t].item() for t in ids],
+                                                          abs=1e-5)
         expected = sorted(range(vocab), key=lambda t: (-raw[row, t].item(), t))[:20]
         assert ids == expected
     assert [t for t, _ in out.logprobs[3].top[:5]] == list(range(vocab - 5, vocab))
@@ -252,3 +267,39 @@ def test_native_kernels_pick_what_pytorch_picks() -> None:
         assert sum(a != b for a, b in zip(native, pytorch, strict=True)) <= 1
         greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
         assert [native[i] for i in greedy] == [pytorch[i] for i in greedy]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_logprob_rows_is_log_softmax(dtype) -> None:
+    """The native ``logprob_rows`` against ``log_softmax``: the token's logprob, its rank
+    (1 + the number of larger logprobs) and the k largest (ties to the lower id), over rows
+    with -inf logits (a grammar's mask: a whole block of them; a row of 3 finite logits,
+    whose top 5 ends with -inf ones, the lowest ids), for k = 5 and k = 0."""
+    kernels = choose_kernels("auto", torch.device("cpu"))
+    if kernels is None:
+        pytest.skip("the native kernels do not build here")
+    vocab = 1000  # 3 blocks of 256 and a partial one
+    logits = random_logits(4, vocab, seed=5).to(dtype)
+    logits[1, 256:512] = float("-inf")
+    logits[1, ::7] = float("-inf")
+    logits[2] = float("-inf")
+    logits[2, [3, 600, 999]] = torch.tensor([1.0, 2.0, 2.0], dtype=dtype)
+    token_ids = torch.tensor([17, 3, 3, int(logits[3].float().argmax())])
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    sampled = raw.gather(1, token_ids.unsqueeze(1))
+    for k in (5, 0):
+        values, top_ids, ranks = kernels.logprob_rows(logits, token_ids, k)
+        assert values.shape == (4, 1 + k) and values.dtype == torch.float32
+        assert top_ids.shape == (4, k) and top_ids.dtype == torch.int64
+        torch.testing.assert_close(values[:, :1], sampled, atol=1e-5, rtol=0)
+        assert ranks.tolist() == ((raw > sampled).sum(dim=-1) + 1).tolist()
+        expected = [sorted(range(vocab), key=lambda t, r=r: (-raw[r, t].item(), t))[:k]
+                    for r in range(4)]
+        assert top_ids.tolist() == expected
+        torch.testing.assert_close(values[:, 1:], raw.gather(1, top_ids), atol=1e-5, rtol=0)
+    assert ranks.tolist()[2:] == [3, 1]
+    assert top_ids.numel() == 0
+    with pytest.raises(RuntimeError, match="token_ids"):
+        kernels.logprob_rows(logits, torch.tensor([0, 0, 0, vocab]), 5)
+    with pytest.raises(RuntimeError, match="k must be"):
+        kernels.logprob_rows(logits, token_ids, vocab + 1)

@@ -32,7 +32,10 @@ kernels; a conversion to float32 is exact, so the answer is the same), and with 
 same inversion of the cumulative distribution at the same u, in one pass over each row);
 everything else widens them to float32 first. Asking for logprobs does not change the
 route a row's token takes: the raw logprobs are computed beside it, from logits the
-sampler has not yet written into.
+sampler has not written into. Without the native kernels they are ``log_softmax`` into a
+buffer before the token is chosen; with them, the native ``logprob_rows`` reads the logits
+once the token is known (its rank needs it), which the routes above leave as they are
+(the filtering route samples from a float32 copy then).
 
 NOTE: the sampler writes into ``logits`` in place; callers pass a tensor they no longer need.
 """
@@ -64,7 +67,8 @@ class SamplerOutput:
 class Sampler:
     """Every setting arrives in the ``SamplingBatch``; the only state is one scratch
     generator per device, reseeded for each seeded row. ``kernels``: the engine's native
-    kernels (their ``argmax_rows`` and ``sample_rows``), or None for PyTorch's ops."""
+    kernels (their ``argmax_rows``, ``sample_rows`` and ``logprob_rows``), or None for
+    PyTorch's ops."""
 
     def __init__(self, kernels: NativeKernels | None = None) -> None:
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -81,7 +85,11 @@ class Sampler:
         if batch.grammar_rows is not None:
             assert batch.grammar_bitmask is not None
             apply_bitmask(logits, batch.grammar_rows, batch.grammar_bitmask)
-        raw_logprobs = self._raw_logprobs(logits, batch)
+        # With the native kernels, logprob_rows reads ``logits`` once the tokens are known
+        # (the rank needs them), so no route below may write into them; without, the raw
+        # logprobs are taken now.
+        native_logprobs = self._kernels is not None and batch.logprob_rows is not None
+        raw_logprobs = None if native_logprobs else self._raw_logprobs(logits, batch)
         plain = batch.penalties is None and batch.banned is None
         if plain and batch.all_greedy:
             tokens = self._greedy(logits)
@@ -92,10 +100,30 @@ class Sampler:
                                                self._uniforms(batch, logits.device).view(-1))
             if batch.greedy is not None:
                 tokens = torch.where(batch.greedy, self._greedy(logits), tokens)
-        else:
-            tokens = self._filter_and_sample(logits.float(), batch)
+        else:  # writes into its float32 logits: a copy where logprob_rows reads them after
+            tokens = self._filter_and_sample(logits.to(torch.float32, copy=native_logprobs),
+                                             batch)
         token_ids = tokens.tolist()
-        return SamplerOutput(token_ids, _gather_logprobs(raw_logprobs, token_ids, batch))
+        if native_logprobs:
+            logprobs = self._native_logprobs(logits, token_ids, batch)
+        else:
+            logprobs = _gather_logprobs(raw_logprobs, token_ids, batch)
+        return SamplerOutput(token_ids, logprobs)
+
+    def _native_logprobs(self, logits: torch.Tensor, token_ids: list[int],
+                         batch: SamplingBatch) -> list[TokenLogprob | None]:
+        """The native ``logprob_rows`` over the rows that asked for logprobs, on ``logits``
+        as the sampler received them (after the grammar's mask): what ``_raw_logprobs`` and
+        ``_gather_logprobs`` answer within float32 rounding (its ranks and order counted on
+        the logits, see logprob_rows.cpp), in one pass over each row."""
+        assert self._kernels is not None and batch.logprob_rows is not None
+        rows = batch.logprob_row_list
+        if len(rows) < batch.num_rows:
+            logits = logits[batch.logprob_rows]
+        sampled = torch.tensor([token_ids[r] for r in rows], device=logits.device)
+        values, top_ids, ranks = self._kernels.logprob_rows(logits, sampled,
+                                                            batch.max_num_logprobs)
+        return _token_logprobs(values, top_ids, ranks, token_ids, batch)
 
     def _raw_logprobs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
         """``log_softmax`` in float32 of the rows that asked for logprobs (None if none
@@ -227,25 +255,36 @@ def _top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _gather_logprobs(raw_logprobs: torch.Tensor | None, token_ids: list[int],
                      batch: SamplingBatch) -> list[TokenLogprob | None]:
-    """Sampled token's raw logprob and rank, and the top-n, fetched in one transfer.
-    Consumes ``raw_logprobs`` (the ranks are counted in place)."""
-    out: list[TokenLogprob | None] = [None] * batch.num_rows
+    """Sampled token's raw logprob and rank, and the top-n, by PyTorch's ops: the native
+    ``logprob_rows``'s answers, but ranked and ordered on the rounded logprobs rather than
+    the logits. Consumes ``raw_logprobs`` (the ranks are counted in place)."""
     if raw_logprobs is None:
-        return out
-    rows = batch.logprob_row_list
-    sampled = torch.tensor([token_ids[r] for r in rows], device=raw_logprobs.device)
+        return [None] * batch.num_rows
+    sampled = torch.tensor([token_ids[r] for r in batch.logprob_row_list],
+                           device=raw_logprobs.device)
     sampled_logprobs = raw_logprobs.gather(1, sampled.unsqueeze(1))
     top_values, top_ids = _top_k(raw_logprobs, batch.max_num_logprobs)
     # lp - s > 0 exactly where lp > s (float subtraction of unequal numbers is never 0); in
     # place, summing 0.0/1.0: a third of the time of a sum of a new tensor of booleans
-    ranks = raw_logprobs.sub_(sampled_logprobs).gt_(0).sum(dim=-1, keepdim=True) + 1
+    ranks = raw_logprobs.sub_(sampled_logprobs).gt_(0).sum(dim=-1) + 1
+    return _token_logprobs(torch.cat([sampled_logprobs, top_values], dim=1), top_ids, ranks,
+                           token_ids, batch)
+
+
+def _token_logprobs(values: torch.Tensor, top_ids: torch.Tensor, ranks: torch.Tensor,
+                    token_ids: list[int], batch: SamplingBatch) -> list[TokenLogprob | None]:
+    """Per row of ``batch.logprob_row_list``, in order: ``values [L, 1 + k]`` (the sampled
+    token's logprob, then the top-k's), ``top_ids [L, k]`` and ``ranks [L]``, with
+    k = ``batch.max_num_logprobs`` -> each row's ``TokenLogprob`` (its own top-n, the first
+    n), fetched in one transfer; None for the rows that did not ask."""
+    out: list[TokenLogprob | None] = [None] * batch.num_rows
     # Float32 holds every id and rank exactly (vocabularies are far below 2**24).
-    packed = torch.cat([sampled_logprobs, ranks.float(), top_values, top_ids.float()], dim=1)
+    packed = torch.cat([ranks.float().unsqueeze(1), values, top_ids.float()], dim=1).tolist()
     k = batch.max_num_logprobs
-    for row, values in zip(rows, packed.tolist(), strict=True):
+    for row, (rank, logprob, *top) in zip(batch.logprob_row_list, packed, strict=True):
         n = batch.num_logprobs[row]
         assert n is not None, "only rows that asked for logprobs are listed"
-        top = tuple(zip((int(i) for i in values[2 + k:2 + k + n]), values[2:2 + n], strict=True))
-        out[row] = TokenLogprob(token_id=token_ids[row], logprob=values[0], rank=int(values[1]),
-                                top=top)
+        out[row] = TokenLogprob(token_id=token_ids[row], logprob=logprob, rank=int(rank),
+                                top=tuple(zip((int(i) for i in top[k:k + n]), top[:n],
+                                              strict=True)))
     return out

@@ -1,10 +1,10 @@
 """What the native kernels can do on this CPU, as this build compiled them.
 
 Every build has the kernels for attention over decodes, RMSNorm, the SiLU gate, rotary
-embedding with the KV store, and sampling. The others exist only where ``-march=native``
-gives the compiler the instructions they are written in (each ``.cpp`` compiles them
-under an ``#if`` on those): ``KernelCapabilities`` records which, once, and everything that
-chooses a kernel asks it.
+embedding with the KV store, sampling and logprobs. The others exist only where
+``-march=native`` gives the compiler the instructions they are written in (each ``.cpp``
+compiles them under an ``#if`` on those): ``KernelCapabilities`` records which, once, and
+everything that chooses a kernel asks it.
 """
 
 from __future__ import annotations

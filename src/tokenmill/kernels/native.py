@@ -45,6 +45,7 @@ class NativeKernels:
     paged_decode_attention: sig.PagedDecodeAttention
     argmax_rows: sig.ArgmaxRows
     sample_rows: sig.SampleRows
+    logprob_rows: sig.LogprobRows
 
     def linear_kernels(self, dtype: torch.dtype) -> LinearKernels:
         """The linear kernels for ``dtype`` activations (``capabilities.linear(dtype)``)."""
@@ -86,7 +87,7 @@ def native_kernels() -> NativeKernels | None:
         capabilities=KernelCapabilities.of_loaded_library(), rms_norm=ops.rms_norm,
         silu_and_mul=ops.silu_and_mul, rotary_store_kv=ops.rotary_store_kv,
         paged_decode_attention=ops.paged_decode_attention, argmax_rows=ops.argmax_rows,
-        sample_rows=ops.sample_rows)
+        sample_rows=ops.sample_rows, logprob_rows=ops.logprob_rows)
 
 
 def choose_kernels(choice: str, device: torch.device) -> NativeKernels | None:

@@ -72,6 +72,17 @@ class SampleRows(Protocol):
         ...
 
 
+class LogprobRows(Protocol):
+    def __call__(self, logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor,
+                                                                            Tensor]:
+        """Per row of ``logits [R, V]``, ``log_softmax``'s float32 value at ``token_ids [R]``
+        (int64) and at the ``k`` largest logits (largest first, equal ones to the lower id),
+        their ids, and the token's rank, 1 + the number of larger logits:
+        ``(logprobs [R, 1 + k], top_ids [R, k], ranks [R])``, column 0 of ``logprobs`` the
+        token's. One pass over each row in its own dtype."""
+        ...
+
+
 class PackWeight(Protocol):
     def __call__(self, weight: Tensor) -> Tensor:
         """A ``[out, in]`` weight in its linear kernel's panel layout."""
