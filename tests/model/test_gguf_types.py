@@ -389,9 +389,11 @@ def test_gguf_mode_computes_a_tied_head_on_the_embedding_blocks(tmp_path, native
     assert torch.equal(model.compute_logits(hidden), model.packed_tied_head(hidden).float())
 
 
-def test_gguf_mode_needs_a_gguf_file(tiny_model_dir, native):
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_gguf_mode_needs_a_gguf_file(tiny_model_dir, native, dtype):
+    supported_or_skip(dtype, native)
     with pytest.raises(InvalidParameterError, match="GGUF file") as info:
-        load_model(tiny_model_dir("llama"), BF16, CPU, "gguf", native)
+        load_model(tiny_model_dir("llama"), dtype, CPU, "gguf", native)
     assert info.value.param == "quantization"
 
 
