@@ -31,7 +31,9 @@
 // Threads split the panels; each streams its panels in order, and while it multiplies
 // one it requests the next into cache, so memory keeps streaming during the arithmetic.
 // Rows go through in chunks of at most W::kMaxRows (a register tile of that many rows x 32
-// float32 accumulators); the second and later chunks find the panel in cache.
+// float32 accumulators); the second and later chunks find the panel in cache. A grouped
+// kind's panel (int8 in groups, int4) is widened to bfloat16 once per call into a thread's
+// scratch when there is more than one chunk, and the chunks read that (see Widened).
 //
 // Built only for CPUs with AVX512-BF16 (the compiler targets the host): elsewhere these ops
 // do not exist and the weights take PyTorch's kernels.
@@ -144,6 +146,29 @@ struct Int4Weights {
   }
 };
 
+// A grouped kind W's panel widened to bfloat16 (int8 and 4-bit q are exact in bfloat16),
+// in BF16Weights' record layout: when a call has more rows than one chunk, each panel is
+// widened once into a thread's scratch and the chunks read that, rather than widening
+// it again in registers for each chunk. The same q in the same VDPBF16PS operands, and
+// the same groups, scales and minimums: every row's arithmetic is unchanged.
+template <typename W>
+struct Widened : BF16Weights {
+  static constexpr int kMaxRows = W::kMaxRows;
+  static constexpr int64_t kGroup = W::kGroup;
+  static constexpr bool kMins = W::kMins;
+};
+
+// The weights a pass over a panel of kind W requests ahead (see Ahead): W's own, except
+// that a widened panel's passes request the next panel of the packed weight.
+template <typename W>
+struct Source {
+  using type = W;
+};
+template <typename W>
+struct Source<Widened<W>> {
+  using type = W;
+};
+
 template <typename W>
 at::Tensor pack_weight(const at::Tensor& weight) {
   const int64_t n = weight.size(0), k = weight.size(1), kp = even(k) / 2;
@@ -181,7 +206,7 @@ at::Tensor int8_pack_weight(const at::Tensor& weight) {
 // one panel together request the whole next one and memory streams all along.
 template <typename W>
 struct Ahead {
-  const typename W::Elem* panel;  // null: none
+  const typename Source<W>::type::Elem* panel;  // null: none
   int64_t pass, passes;
 };
 
@@ -224,8 +249,9 @@ inline void multiply_pairs(const uint16_t* x, int64_t x_stride, int64_t begin, i
   for (int64_t kp = begin; kp < end; ++kp, ++turn) {
     if (turn == ahead.passes) turn = 0;
     if (ahead.panel && turn == 0) {
-      const char* record = reinterpret_cast<const char*>(ahead.panel + kp * W::kRecord);
-      for (int line = 0; line < W::kLines; ++line) {
+      using S = typename Source<W>::type;
+      const char* record = reinterpret_cast<const char*>(ahead.panel + kp * S::kRecord);
+      for (int line = 0; line < S::kLines; ++line) {
         _mm_prefetch(record + 64 * line, _MM_HINT_T1);
       }
     }
@@ -352,6 +378,34 @@ constexpr auto make_table(std::integer_sequence<int, R...>) {
 template <typename W>
 constexpr auto kRowsFns = make_table<W>(std::make_integer_sequence<int, W::kMaxRows>{});
 
+// A grouped kind's panel (``pairs`` pair records) widened into ``scratch`` (Widened<W>).
+template <typename W>
+void widen_panel(const typename W::Elem* panel, int64_t pairs, uint16_t* scratch) {
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    __m512bh w0, w1;
+    W::load(panel + kp * W::kRecord, w0, w1);
+    _mm512_store_si512(scratch + kp * BF16Weights::kRecord, (__m512i)w0);
+    _mm512_store_si512(scratch + kp * BF16Weights::kRecord + 32, (__m512i)w1);
+  }
+}
+
+// The chunks of rows [0, m) times one panel (``panel``, of kind W), requesting ``next``.
+template <typename W>
+void chunks_times_panel(const Operands& op, int64_t m, int64_t chunks,
+                        const typename W::Elem* panel,
+                        const typename Source<W>::type::Elem* next, int64_t p) {
+  for (int64_t c = 0, row = 0; c < chunks; ++c) {
+    const int64_t rows = (m - row) / (chunks - c);
+    // A few chunks share the requests for the next panel; with many (a prefill), the
+    // second alone makes them: spreading them thinner measured slower.
+    const Ahead<W> ahead = chunks <= kMaxSharingChunks
+                               ? Ahead<W>{next, c, chunks}
+                               : Ahead<W>{c == 1 ? next : nullptr, 0, 1};
+    kRowsFns<W>[rows - 1](op, row, panel, ahead, p);
+    row += rows;
+  }
+}
+
 const uint16_t* bits_of(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
 }
@@ -388,20 +442,32 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const float* sc
   const auto* weights = reinterpret_cast<const typename W::Elem*>(packed.data_ptr());
   const int64_t panel_size = packed.size(1) * W::kRecord;  // elements
   const int64_t chunks = (m + W::kMaxRows - 1) / W::kMaxRows;  // nearly equal sizes
+  // grouped kinds with several chunks: each panel widened once (Widened)
+  constexpr bool kWidens = W::kGroup > 0;
+  const bool widen = kWidens && chunks > 1;
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+    at::Tensor scratch_tensor;
+    uint16_t* scratch = nullptr;
+    if constexpr (kWidens) {
+      if (widen) {
+        // 64-byte aligned records: one more record's room to align the start
+        scratch_tensor = at::empty({(packed.size(1) + 1) * BF16Weights::kRecord},
+                                   at::TensorOptions().dtype(at::kShort));
+        auto address = reinterpret_cast<uintptr_t>(scratch_tensor.data_ptr());
+        scratch = reinterpret_cast<uint16_t*>((address + 63) / 64 * 64);
+      }
+    }
     for (int64_t p = begin; p < end; ++p) {
       const auto* panel = weights + p * panel_size;
       const auto* next = p + 1 < end ? panel + panel_size : nullptr;
-      for (int64_t c = 0, row = 0; c < chunks; ++c) {
-        const int64_t rows = (m - row) / (chunks - c);
-        // A few chunks share the requests for the next panel; with many (a prefill), the
-        // second alone makes them: spreading them thinner measured slower.
-        const Ahead<W> ahead = chunks <= kMaxSharingChunks
-                                   ? Ahead<W>{next, c, chunks}
-                                   : Ahead<W>{c == 1 ? next : nullptr, 0, 1};
-        kRowsFns<W>[rows - 1](op, row, panel, ahead, p);
-        row += rows;
+      if constexpr (kWidens) {
+        if (widen) {
+          widen_panel<W>(panel, packed.size(1), scratch);
+          chunks_times_panel<Widened<W>>(op, m, chunks, scratch, next, p);
+          continue;
+        }
       }
+      chunks_times_panel<W>(op, m, chunks, panel, next, p);
     }
   });
   return out;
