@@ -1,6 +1,6 @@
 """The capabilities record says what the build holds, and every choice follows it: a kernel
-reported missing is never chosen, on each kind of host (AMX, AVX512-BF16 without AMX,
-AVX2 only, AVX-512 without BF16), whatever host the test runs on."""
+reported missing is never chosen, on each kind of host (AMX with its tiles granted or not,
+AVX512-BF16 without AMX, AVX2 only, AVX-512 without BF16), whatever host the test runs on."""
 
 from __future__ import annotations
 
@@ -31,18 +31,31 @@ BF16, F32 = torch.bfloat16, torch.float32
 HEADS = (9, 3, 64)  # query heads, KV heads, head size
 HOSTS = {
     "amx": dict(bf16_linear=True, f32_linear=False, w4a8_linear=True,
-                prefill_attention_head_dims=frozenset({64, 128}), amx=True),
+                prefill_attention_head_dims=frozenset({64, 128}), amx=True, linear_tiles=True),
+    # an AMX CPU whose operating system does not grant the tiles (Linux before 5.16)
+    "amx_not_granted": dict(bf16_linear=True, f32_linear=False, w4a8_linear=True,
+                            prefill_attention_head_dims=frozenset({64, 128}), amx=True,
+                            linear_tiles=False),
     "avx512_bf16": dict(bf16_linear=True, f32_linear=False, w4a8_linear=True,
-                        prefill_attention_head_dims=frozenset({64, 128}), amx=False),
+                        prefill_attention_head_dims=frozenset({64, 128}), amx=False,
+                        linear_tiles=False),
     "avx2": dict(bf16_linear=False, f32_linear=True, w4a8_linear=True,
-                 prefill_attention_head_dims=frozenset(), amx=False),
+                 prefill_attention_head_dims=frozenset(), amx=False, linear_tiles=False),
     "avx512_no_bf16": dict(bf16_linear=False, f32_linear=False, w4a8_linear=True,
-                           prefill_attention_head_dims=frozenset(), amx=False),
+                           prefill_attention_head_dims=frozenset(), amx=False,
+                           linear_tiles=False),
 }
 # (dtype, quantization) -> (format, its head's format) on each kind of host; oneDNN can
 # reorder every dtype here (an AVX2-only CPU cannot for bfloat16: see test_weight_formats)
 EXPECTED = {
-    "amx": {(BF16, "none"): (OneDNNFormat, OneDNNFormat),
+    "amx": {(BF16, "none"): (NativeFormat, NativeFormat),
+            (F32, "none"): (OneDNNFormat, OneDNNFormat),
+            (BF16, "int8"): (NativeInt8Format, NativeInt8Format),
+            (BF16, "int4"): (NativeInt4Format, NativeInt8Format),
+            (F32, "int8"): (Int8Format, Int8Format),
+            (F32, "int4"): (Int4Format, Int8Format),
+            (F32, "w4a8"): (NativeW4A8Format, Int8Format)},
+    "amx_not_granted": {(BF16, "none"): (OneDNNFormat, OneDNNFormat),
             (F32, "none"): (OneDNNFormat, OneDNNFormat),
             (BF16, "int8"): (NativeInt8Format, NativeInt8Format),
             (BF16, "int4"): (NativeInt4Format, NativeInt8Format),
@@ -90,6 +103,8 @@ def test_capabilities_match_the_cpu_flags(native):
     assert caps.prefill_attention_head_dims == (frozenset({64, 128}) if caps.bf16_linear
                                                 else frozenset())
     assert caps.amx == ("amx_bf16" in flags)
+    # granted by the operating system on every Linux since 5.16
+    assert caps.linear_tiles == (caps.bf16_linear and {"amx_bf16", "amx_tile"} <= flags)
     assert caps.linear(BF16) == caps.bf16_linear and caps.linear(F32) == caps.f32_linear
     assert not caps.linear(torch.float16)
 

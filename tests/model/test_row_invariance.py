@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from int8_groups import int8_groups
 
 from tokenmill.errors import InvalidParameterError
 from tokenmill.kernels.linear import (
     NativeInt4Weight,
+    NativeInt8GroupWeight,
     NativeInt8Weight,
     NativeW4A8Weight,
     NativeWeight,
@@ -25,8 +27,10 @@ from tokenmill.models.weight_formats import (
 )
 
 CPU = torch.device("cpu")
-DECODE_SIZES = (1, 2, 3, 5, 8, 16, 17)
+DECODE_SIZES = (1, 2, 3, 5, 8, 9, 16, 17)
 PREFILL_SIZES = (64, 130, 300)
+# inputs: 19 groups of 32 and 38 of 16 (an odd count and an even one)
+IN_FEATURES = 608
 
 
 def formats(native) -> list[tuple[str, torch.dtype, type, bool]]:
@@ -40,13 +44,19 @@ def formats(native) -> list[tuple[str, torch.dtype, type, bool]]:
     for d in (torch.bfloat16, torch.float32):
         if caps.linear(d):
             out += [(f"native-{name}-{d}", d, cls, True) for name, cls in (
-                ("float", NativeWeight), ("int8", NativeInt8Weight), ("int4", NativeInt4Weight))]
+                ("float", NativeWeight), ("int8", NativeInt8Weight), ("int4", NativeInt4Weight),
+                ("int8-groups-16", NativeInt8GroupWeight),
+                ("int8-groups-32", NativeInt8GroupWeight))]
     if caps.w4a8_linear:
         out.append(("native-w4a8", torch.float32, NativeW4A8Weight, True))
     return out
 
 
-def pack(cls: type, weight: torch.Tensor, native):
+def pack(name: str, cls: type, weight: torch.Tensor, native):
+    if cls is NativeInt8GroupWeight:
+        group = int(name.split("-")[3])  # native-int8-groups-<size>-<dtype>
+        gen = torch.Generator().manual_seed(group)
+        return cls(native, weight, None, int8_groups(*weight.shape, gen, group))
     if cls in (NativeWeight, NativeInt8Weight, NativeInt4Weight, NativeW4A8Weight):
         return cls(native, weight, None)
     return cls(weight, None)
@@ -56,10 +66,10 @@ def test_rows_do_not_depend_on_the_row_count(native) -> None:
     gen = torch.Generator().manual_seed(0)
     failures = []
     for name, dtype, cls, is_native in formats(native):
-        weight = (torch.randn(320, 576, generator=gen) * 0.05).to(dtype)
-        x = torch.randn(max(PREFILL_SIZES), 576, generator=gen).to(dtype)
+        weight = (torch.randn(320, IN_FEATURES, generator=gen) * 0.05).to(dtype)
+        x = torch.randn(max(PREFILL_SIZES), IN_FEATURES, generator=gen).to(dtype)
         residual = torch.randn(max(PREFILL_SIZES), 320, generator=gen).to(dtype)
-        packed = pack(cls, weight, native)
+        packed = pack(name, cls, weight, native)
         sizes = DECODE_SIZES + (PREFILL_SIZES if is_native else ())
         alone = torch.cat([packed(x[r:r + 1]) for r in range(max(sizes))])
         alone_add = torch.cat([packed.add(x[r:r + 1], residual[r:r + 1])

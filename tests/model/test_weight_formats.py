@@ -82,7 +82,7 @@ def test_onednn_bf16_matches_plain_bf16(tiny_model_dir, variant):
 def test_native_bf16_matches_plain_bf16(tiny_model_dir, variant, native):
     if not native.capabilities.bf16_linear:
         pytest.skip("this CPU has no AVX512-BF16: the native bfloat16 kernel is not built")
-    without_amx = dataclasses.replace(  # AMX keeps oneDNN
+    without_amx = dataclasses.replace(  # (AMX without its tiles granted keeps oneDNN)
         native, capabilities=dataclasses.replace(native.capabilities, amx=False))
     model_dir = tiny_model_dir(variant)
     packed, _ = load_model(model_dir, BF16, CPU, kernels=without_amx)

@@ -41,6 +41,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "amx_tiles.h"
 #include "dtype_conversion.h"
 #include "linear_epilogue.h"
 
@@ -339,6 +340,34 @@ inline void group_panel_kernel(const Operands& op, int64_t row, const typename W
   }
 }
 
+// Where the results for outputs 32 p + 16 h .. + 16 go: a row's float32 sums of products
+// times the per-output scale, plus bias and residual, rounded once to bfloat16.
+class HalfPanelOutput {
+ public:
+  HalfPanelOutput(const Operands& op, int64_t p, int h) : op_(op), col_(p * kPanel + 16 * h) {
+    if (empty()) return;
+    const int64_t width = std::min<int64_t>(16, op.n - col_);
+    mask_ = static_cast<__mmask16>((1u << width) - 1u);
+    scale_ = op.scales ? _mm512_maskz_loadu_ps(mask_, op.scales + col_) : _mm512_set1_ps(1.f);
+    bias_ = op.bias ? load_bf16(op.bias + col_, mask_) : _mm512_setzero_ps();
+  }
+  // the panel has no outputs here (the last panel's second half, N not filling it)
+  bool empty() const { return col_ >= op_.n; }
+  void store(int64_t row, __m512 sums) const {
+    __m512 v = _mm512_fmadd_ps(sums, scale_, bias_);
+    if (op_.residual) {
+      v = _mm512_add_ps(v, load_bf16(op_.residual + row * op_.res_stride + col_, mask_));
+    }
+    _mm256_mask_storeu_epi16(op_.out + row * op_.out_stride + col_, mask_, round_to_bf16(v));
+  }
+
+ private:
+  const Operands& op_;
+  int64_t col_;
+  __mmask16 mask_ = 0;
+  __m512 scale_, bias_;
+};
+
 // Rows [row, row + ROWS) of the call times panel p.
 template <typename W, int ROWS>
 void rows_times_panel(const Operands& op, int64_t row, const typename W::Elem* panel,
@@ -350,21 +379,9 @@ void rows_times_panel(const Operands& op, int64_t row, const typename W::Elem* p
     panel_kernel<W, ROWS>(op.x + row * op.x_stride, op.x_stride, op.k, panel, ahead, acc);
   }
   for (int h = 0; h < 2; ++h) {
-    const int64_t col = p * kPanel + 16 * h;
-    if (col >= op.n) break;
-    const int64_t width = std::min<int64_t>(16, op.n - col);
-    const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1u);
-    const __m512 scale =
-        op.scales ? _mm512_maskz_loadu_ps(mask, op.scales + col) : _mm512_set1_ps(1.f);
-    const __m512 b = op.bias ? load_bf16(op.bias + col, mask) : _mm512_setzero_ps();
-    for (int r = 0; r < ROWS; ++r) {
-      __m512 v = _mm512_fmadd_ps(acc[r][h], scale, b);
-      if (op.residual) {
-        v = _mm512_add_ps(v, load_bf16(op.residual + (row + r) * op.res_stride + col, mask));
-      }
-      _mm256_mask_storeu_epi16(op.out + (row + r) * op.out_stride + col, mask,
-                               round_to_bf16(v));
-    }
+    const HalfPanelOutput out(op, p, h);
+    if (out.empty()) break;
+    for (int r = 0; r < ROWS; ++r) out.store(row + r, acc[r][h]);
   }
 }
 
@@ -406,6 +423,291 @@ void chunks_times_panel(const Operands& op, int64_t m, int64_t chunks,
   }
 }
 
+#ifdef TOKENMILL_AMX
+// On a CPU with AMX-BF16 (and the process granted its tiles) the panels are multiplied on
+// tiles, at every row count, so each row's result still does not depend on the call's
+// other rows. A row tile is up to 16 rows; a panel half (16 outputs) is one tile's width.
+// Weights are a bfloat16 panel in BF16Weights' record layout (a grouped kind's or int8's
+// panel widened first, as Widened): the half h of pair records [kp, kp + n) is a B tile of
+// n rows at a stride of one record (128 bytes). Tiles: 0 and 1 float32 products (two, so
+// that one product runs while the other is read out), 2 the rows' inputs, 3 and 4 the two
+// halves' weights.
+//
+// TDPBF16PS sums the exact products of bfloat16 pairs in float32 (in its own order, not
+// VDPBF16PS's: the results are not bit-identical to the AVX-512 path's, and within the
+// same bound). A grouped kind multiplies one group per tile product and scales its sums in
+// float32 as group_panel_kernel does; the ungrouped kinds accumulate 32 inputs per product.
+constexpr int kTileRows = 16;
+constexpr int64_t kUngroupedDepth = 32;  // inputs per tile product of an ungrouped kind
+
+template <typename W>
+constexpr int64_t tile_depth() {
+  return W::kGroup > 0 ? W::kGroup : kUngroupedDepth;
+}
+
+// Whether the tiles take this call: AMX granted, and K whole tile products.
+template <typename W>
+bool tiles_take(int64_t k) {
+  return tokenmill::amx_permitted() && k % tile_depth<W>() == 0;
+}
+
+void configure_tiles(int rows, int64_t depth) {
+  tokenmill::TileConfig config;
+  for (int product : {0, 1, 5, 6}) config.set(product, rows, 64);
+  config.set(2, rows, static_cast<int>(2 * depth));
+  config.set(3, static_cast<int>(depth / 2), 64);
+  config.set(4, static_cast<int>(depth / 2), 64);
+  config.load();
+}
+
+// Tile 0 (``second``: tile 1) = the row tile's inputs [2 kp, 2 kp + depth) times half h
+// of the panel's records. (The tile intrinsics take tile numbers as literals.)
+inline void tile_product(bool second, const uint16_t* x, int64_t x_stride,
+                         const uint16_t* panel, int64_t kp, int h) {
+  _tile_loadd(2, x + 2 * kp, x_stride * 2);
+  _tile_loadd(3, panel + kp * BF16Weights::kRecord + 32 * h, 2 * BF16Weights::kRecord);
+  if (second) {
+    _tile_zero(1);
+    _tile_dpbf16ps(1, 2, 3);
+  } else {
+    _tile_zero(0);
+    _tile_dpbf16ps(0, 2, 3);
+  }
+}
+
+// A grouped kind: rows [row, row + rows) times half h of panel p, group by group, each
+// group's products read out of its tile, scaled (and for int4 shifted by its minimum times
+// the group's sum of x) into float32 sums in registers.
+template <typename W>
+void group_tiles_times_half(const Operands& op, int64_t row, int rows, const uint16_t* panel,
+                            int64_t p, int h, const HalfPanelOutput& out) {
+  constexpr int64_t kGroupPairs = W::kGroup / 2;
+  const int64_t groups = op.k / W::kGroup;
+  const float* scales = op.group_scales + p * groups * kPanel + 16 * h;
+  const uint16_t* x = op.x + row * op.x_stride;
+  alignas(64) float part[kTileRows][16];
+  __m512 acc[kTileRows];
+#pragma GCC unroll 16
+  for (int r = 0; r < kTileRows; ++r) acc[r] = _mm512_setzero_ps();
+  // acc += group g's products (read out of ``part``)
+  const auto add_group = [&](int64_t g) {
+    const __m512 scale = _mm512_loadu_ps(scales + g * kPanel);
+#pragma GCC unroll 16
+    for (int r = 0; r < kTileRows; ++r) {
+      if (r < rows) acc[r] = _mm512_fmadd_ps(_mm512_load_ps(part[r]), scale, acc[r]);
+    }
+    if constexpr (W::kMins) {
+      const __m512 min = _mm512_loadu_ps(op.group_mins + (p * groups + g) * kPanel + 16 * h);
+#pragma GCC unroll 16
+      for (int r = 0; r < kTileRows; ++r) {
+        if (r < rows) {
+          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(op.x_sums[(row + r) * groups + g]), min,
+                                   acc[r]);
+        }
+      }
+    }
+  };
+  for (int64_t g = 0; g < groups; ++g) {
+    if (g % 2 == 0) {
+      tile_product(false, x, op.x_stride, panel, g * kGroupPairs, h);
+      if (g > 0) {
+        _tile_stored(1, part, 64);
+        add_group(g - 1);
+      }
+    } else {
+      tile_product(true, x, op.x_stride, panel, g * kGroupPairs, h);
+      _tile_stored(0, part, 64);
+      add_group(g - 1);
+    }
+  }
+  if (groups % 2) {
+    _tile_stored(0, part, 64);
+  } else {
+    _tile_stored(1, part, 64);
+  }
+  add_group(groups - 1);
+  for (int r = 0; r < rows; ++r) out.store(row + r, acc[r]);
+}
+
+// Rows in a call that takes group_tiles_times_panel (two halves' sums in registers).
+constexpr int kFewRows = 8;
+
+// A grouped kind, a call of at most kFewRows rows: rows [row, row + rows) times both halves
+// of the packed panel p, each group widened just before its products into one of the two
+// slots of ``ring`` (in the first-level cache, where a whole widened panel would not be).
+// Per output, the same tile products and float32 steps as group_tiles_times_half. Tiles:
+// group g's products in 0 and 1 (halves 0 and 1) for even g, in 5 and 6 for odd g.
+template <typename W>
+void group_tiles_times_panel(const Operands& op, int64_t row, int rows,
+                             const typename W::Elem* packed, int64_t p, uint16_t* ring) {
+  constexpr int64_t kGroupPairs = W::kGroup / 2;
+  constexpr int64_t kStride = 2 * BF16Weights::kRecord;
+  const int64_t groups = op.k / W::kGroup;
+  const float* scales = op.group_scales + p * groups * kPanel;
+  const uint16_t* x = op.x + row * op.x_stride;
+  alignas(64) float part[2][kTileRows][16];
+  __m512 acc[2][kFewRows];
+#pragma GCC unroll 8
+  for (int r = 0; r < kFewRows; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+  const auto add_group = [&](int64_t g) {
+    for (int h = 0; h < 2; ++h) {
+      const __m512 scale = _mm512_loadu_ps(scales + g * kPanel + 16 * h);
+#pragma GCC unroll 8
+      for (int r = 0; r < kFewRows; ++r) {
+        if (r < rows) acc[h][r] = _mm512_fmadd_ps(_mm512_load_ps(part[h][r]), scale, acc[h][r]);
+      }
+      if constexpr (W::kMins) {
+        const __m512 min = _mm512_loadu_ps(op.group_mins + (p * groups + g) * kPanel + 16 * h);
+#pragma GCC unroll 8
+        for (int r = 0; r < kFewRows; ++r) {
+          if (r < rows) {
+            acc[h][r] = _mm512_fmadd_ps(_mm512_set1_ps(op.x_sums[(row + r) * groups + g]), min,
+                                        acc[h][r]);
+          }
+        }
+      }
+    }
+  };
+  for (int64_t g = 0; g < groups; ++g) {
+    uint16_t* slot = ring + (g % 2) * kGroupPairs * BF16Weights::kRecord;
+    widen_panel<W>(packed + g * kGroupPairs * W::kRecord, kGroupPairs, slot);
+    _tile_loadd(2, x + g * W::kGroup, op.x_stride * 2);
+    _tile_loadd(3, slot, kStride);
+    _tile_loadd(4, slot + 32, kStride);
+    if (g % 2 == 0) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_dpbf16ps(0, 2, 3);
+      _tile_dpbf16ps(1, 2, 4);
+      if (g > 0) {
+        _tile_stored(5, part[0], 64);
+        _tile_stored(6, part[1], 64);
+        add_group(g - 1);
+      }
+    } else {
+      _tile_zero(5);
+      _tile_zero(6);
+      _tile_dpbf16ps(5, 2, 3);
+      _tile_dpbf16ps(6, 2, 4);
+      _tile_stored(0, part[0], 64);
+      _tile_stored(1, part[1], 64);
+      add_group(g - 1);
+    }
+  }
+  if (groups % 2) {
+    _tile_stored(0, part[0], 64);
+    _tile_stored(1, part[1], 64);
+  } else {
+    _tile_stored(5, part[0], 64);
+    _tile_stored(6, part[1], 64);
+  }
+  add_group(groups - 1);
+  for (int h = 0; h < 2; ++h) {
+    const HalfPanelOutput out(op, p, h);
+    if (out.empty()) break;
+    for (int r = 0; r < rows; ++r) out.store(row + r, acc[h][r]);
+  }
+}
+
+// An ungrouped kind: rows [row, row + rows) times both halves of a panel, 32 inputs per
+// tile product, each half's float32 sums accumulating in its own tile. W: BF16Weights
+// reads ``panel`` as bfloat16 records (a bfloat16 weight's, or a widened panel); int8
+// widens each product's records just before it into one of the two slots of ``ring``.
+template <typename W>
+void tiles_times_panel(const Operands& op, int64_t row, int rows,
+                       const typename W::Elem* panel, int64_t p, uint16_t* ring) {
+  const uint16_t* x = op.x + row * op.x_stride;
+  constexpr int64_t kDepthPairs = kUngroupedDepth / 2;
+  constexpr int64_t kStride = 2 * BF16Weights::kRecord;
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t kp = 0; kp < op.k / 2; kp += kDepthPairs) {
+    const uint16_t* records;
+    if constexpr (std::is_same_v<W, BF16Weights>) {
+      records = panel + kp * BF16Weights::kRecord;
+    } else {
+      uint16_t* slot = ring + (kp / kDepthPairs % 2) * kDepthPairs * BF16Weights::kRecord;
+      widen_panel<W>(panel + kp * W::kRecord, kDepthPairs, slot);
+      records = slot;
+    }
+    _tile_loadd(2, x + 2 * kp, op.x_stride * 2);
+    _tile_loadd(3, records, kStride);
+    _tile_loadd(4, records + 32, kStride);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+  }
+  alignas(64) float sums[2][kTileRows][16];
+  _tile_stored(0, sums[0], 64);
+  _tile_stored(1, sums[1], 64);
+  for (int h = 0; h < 2; ++h) {
+    const HalfPanelOutput out(op, p, h);
+    if (out.empty()) break;
+    for (int r = 0; r < rows; ++r) out.store(row + r, _mm512_load_ps(sums[h][r]));
+  }
+}
+
+// The whole call on tiles (tiles_take): threads split the panels; each widens a panel of a
+// kind other than bfloat16 into its scratch, then multiplies every row tile by it.
+template <typename W>
+void tiles_linear(const Operands& op, int64_t m, const typename W::Elem* weights,
+                  int64_t panels, int64_t pairs) {
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    constexpr bool kWidens = !std::is_same_v<W, BF16Weights>;
+    at::Tensor scratch_tensor;
+    uint16_t* scratch = nullptr;
+    if constexpr (kWidens) {
+      scratch_tensor = at::empty({(pairs + 1) * BF16Weights::kRecord},
+                                 at::TensorOptions().dtype(at::kShort));
+      auto address = reinterpret_cast<uintptr_t>(scratch_tensor.data_ptr());
+      scratch = reinterpret_cast<uint16_t*>((address + 63) / 64 * 64);
+    }
+    int configured_rows = 0;
+    if constexpr (kWidens) {
+      if (m <= kFewRows) {  // each group or 32 inputs widened just before its products
+        configure_tiles(static_cast<int>(m), tile_depth<W>());
+        for (int64_t p = begin; p < end; ++p) {
+          const typename W::Elem* packed = weights + p * pairs * W::kRecord;
+          if constexpr (W::kGroup > 0) {
+            group_tiles_times_panel<W>(op, 0, static_cast<int>(m), packed, p, scratch);
+          } else {
+            tiles_times_panel<W>(op, 0, static_cast<int>(m), packed, p, scratch);
+          }
+        }
+        _tile_release();
+        return;
+      }
+    }
+    for (int64_t p = begin; p < end; ++p) {
+      const typename W::Elem* packed = weights + p * pairs * W::kRecord;
+      const uint16_t* panel;
+      if constexpr (kWidens) {
+        widen_panel<W>(packed, pairs, scratch);
+        panel = scratch;
+      } else {
+        panel = packed;
+      }
+      for (int64_t row = 0; row < m; row += kTileRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - row));
+        if (rows != configured_rows) {
+          configure_tiles(rows, tile_depth<W>());
+          configured_rows = rows;
+        }
+        if constexpr (W::kGroup > 0) {
+          for (int h = 0; h < 2; ++h) {
+            const HalfPanelOutput out(op, p, h);
+            if (out.empty()) break;
+            group_tiles_times_half<W>(op, row, rows, panel, p, h, out);
+          }
+        } else {
+          tiles_times_panel<BF16Weights>(op, row, rows, panel, p, nullptr);
+        }
+      }
+    }
+    if (configured_rows) _tile_release();
+  });
+}
+#endif  // TOKENMILL_AMX
+
 const uint16_t* bits_of(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
 }
@@ -440,6 +742,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const float* sc
                     residual ? residual->stride(0) : 0,
                     reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n};
   const auto* weights = reinterpret_cast<const typename W::Elem*>(packed.data_ptr());
+#ifdef TOKENMILL_AMX
+  if (tiles_take<W>(k)) {
+    tiles_linear<W>(op, m, weights, packed.size(0), packed.size(1));
+    return out;
+  }
+#endif
   const int64_t panel_size = packed.size(1) * W::kRecord;  // elements
   const int64_t chunks = (m + W::kMaxRows - 1) / W::kMaxRows;  // nearly equal sizes
   // grouped kinds with several chunks: each panel widened once (Widened)
@@ -554,9 +862,19 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                              "tokenmill's int4 packing (weight_formats.NativeInt4Weight)");
 }
 
+// Whether these kernels multiply on AMX tiles in this process (see tiles_take).
+bool bf16_linear_uses_tiles() {
+#ifdef TOKENMILL_AMX
+  return tokenmill::amx_permitted();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("bf16_linear_uses_tiles() -> bool", &bf16_linear_uses_tiles);
   m.def("bf16_pack_weight(Tensor weight) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor packed, int out_features, Tensor? bias, "
         "Tensor? residual) -> Tensor");

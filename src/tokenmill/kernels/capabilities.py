@@ -38,8 +38,12 @@ class KernelCapabilities:
     """Head sizes of the causal prefill attention kernel, bfloat16 only (AVX512-BF16);
     empty without it."""
     amx: bool
-    """The CPU has AMX-BF16 tiles: oneDNN multiplies a prefill's bfloat16 rows with them
-    several times faster than ``bf16_linear`` can, so bfloat16 weights keep oneDNN there."""
+    """The CPU has AMX-BF16 tiles: PyTorch's attention multiplies a prefill's rows with
+    them (faster than the native prefill attention)."""
+    linear_tiles: bool
+    """``bf16_linear`` multiplies on AMX tiles (a build for an AMX CPU whose kernel grants
+    this process the tiles); without them, on an AMX CPU oneDNN's bfloat16 kernels are
+    several times faster at a prefill's sizes, so bfloat16 weights keep oneDNN there."""
 
     @classmethod
     def of_loaded_library(cls) -> KernelCapabilities:
@@ -51,7 +55,8 @@ class KernelCapabilities:
                    prefill_attention_head_dims=(
                        PREFILL_HEAD_DIMS if hasattr(ops, "paged_prefill_attention")
                        else frozenset()),
-                   amx=cpu_has_amx())
+                   amx=cpu_has_amx(),
+                   linear_tiles=bf16 and ops.bf16_linear_uses_tiles())
 
     def linear(self, dtype: torch.dtype) -> bool:
         """Whether the native float, int8 (both kinds) and int4 linear kernels take ``dtype``

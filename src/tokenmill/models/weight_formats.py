@@ -137,7 +137,8 @@ class NativeFormat(KernelWeightFormat):
     @staticmethod
     def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
         return (kernels is not None and kernels.capabilities.linear(dtype)
-                and not (dtype == torch.bfloat16 and kernels.capabilities.amx))
+                and not (dtype == torch.bfloat16 and kernels.capabilities.amx
+                         and not kernels.capabilities.linear_tiles))
 
     @staticmethod
     def row_invariant(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
