@@ -429,9 +429,9 @@ void chunks_times_panel(const Operands& op, int64_t m, int64_t chunks,
 // other rows. A row tile is up to 16 rows; a panel half (16 outputs) is one tile's width.
 // Weights are a bfloat16 panel in BF16Weights' record layout (a grouped kind's or int8's
 // panel widened first, as Widened): the half h of pair records [kp, kp + n) is a B tile of
-// n rows at a stride of one record (128 bytes). Tiles: 0 and 1 float32 products (two, so
-// that one product runs while the other is read out), 2 the rows' inputs, 3 and 4 the two
-// halves' weights.
+// n rows at a stride of one record (128 bytes). Tiles: 0, 1, 5 and 6 float32 products
+// (several, so that one product runs while another is read out), 2 and 7 rows' inputs, 3
+// and 4 the two halves' weights.
 //
 // TDPBF16PS sums the exact products of bfloat16 pairs in float32 (in its own order, not
 // VDPBF16PS's: the results are not bit-identical to the AVX-512 path's, and within the
@@ -445,6 +445,18 @@ constexpr int64_t tile_depth() {
   return W::kGroup > 0 ? W::kGroup : kUngroupedDepth;
 }
 
+// Requests [start, start + bytes) into the cache level HINT.
+template <_mm_hint HINT>
+inline void request_lines(const void* start, int64_t bytes) {
+  const char* line = static_cast<const char*>(start);
+  for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(line + offset, HINT);
+}
+
+// How far ahead the few-rows tile paths request weights, in groups or tile products: the
+// tiles keep fewer of the weights' loads in flight than the AVX-512 path does, and without
+// the requests a stream of weights from memory reads at about 60% of that path's speed.
+constexpr int64_t kAheadGroups = 4;
+
 // Whether the tiles take this call: AMX granted, and K whole tile products.
 template <typename W>
 bool tiles_take(int64_t k) {
@@ -457,6 +469,7 @@ void configure_tiles(int rows, int64_t depth) {
   config.set(2, rows, static_cast<int>(2 * depth));
   config.set(3, static_cast<int>(depth / 2), 64);
   config.set(4, static_cast<int>(depth / 2), 64);
+  config.set(7, rows, static_cast<int>(2 * depth));
   config.load();
 }
 
@@ -536,16 +549,19 @@ constexpr int kFewRows = 8;
 // of the packed panel p, each group widened just before its products into one of the two
 // slots of ``ring`` (in the first-level cache, where a whole widened panel would not be).
 // Per output, the same tile products and float32 steps as group_tiles_times_half. Tiles:
-// group g's products in 0 and 1 (halves 0 and 1) for even g, in 5 and 6 for odd g.
+// group g's products in 0 and 1 (halves 0 and 1) for even g, in 5 and 6 for odd g. A
+// group's stored products are read two groups later: a load right after a tile store waits
+// for the store to retire, which would hold back the loads of the weights behind it.
 template <typename W>
 void group_tiles_times_panel(const Operands& op, int64_t row, int rows,
-                             const typename W::Elem* packed, int64_t p, uint16_t* ring) {
+                             const typename W::Elem* packed, const typename W::Elem* next,
+                             int64_t p, uint16_t* ring) {
   constexpr int64_t kGroupPairs = W::kGroup / 2;
   constexpr int64_t kStride = 2 * BF16Weights::kRecord;
   const int64_t groups = op.k / W::kGroup;
   const float* scales = op.group_scales + p * groups * kPanel;
   const uint16_t* x = op.x + row * op.x_stride;
-  alignas(64) float part[2][kTileRows][16];
+  alignas(64) float part[2][2][kTileRows][16];  // [group % 2][half]
   __m512 acc[2][kFewRows];
 #pragma GCC unroll 8
   for (int r = 0; r < kFewRows; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
@@ -554,7 +570,9 @@ void group_tiles_times_panel(const Operands& op, int64_t row, int rows,
       const __m512 scale = _mm512_loadu_ps(scales + g * kPanel + 16 * h);
 #pragma GCC unroll 8
       for (int r = 0; r < kFewRows; ++r) {
-        if (r < rows) acc[h][r] = _mm512_fmadd_ps(_mm512_load_ps(part[h][r]), scale, acc[h][r]);
+        if (r < rows) {
+          acc[h][r] = _mm512_fmadd_ps(_mm512_load_ps(part[g % 2][h][r]), scale, acc[h][r]);
+        }
       }
       if constexpr (W::kMins) {
         const __m512 min = _mm512_loadu_ps(op.group_mins + (p * groups + g) * kPanel + 16 * h);
@@ -568,8 +586,25 @@ void group_tiles_times_panel(const Operands& op, int64_t row, int rows,
       }
     }
   };
+  // group g's products out of their tiles into part[g % 2]
+  const auto store_group = [&](int64_t g) {
+    if (g % 2 == 0) {
+      _tile_stored(0, part[0][0], 64);
+      _tile_stored(1, part[0][1], 64);
+    } else {
+      _tile_stored(5, part[1][0], 64);
+      _tile_stored(6, part[1][1], 64);
+    }
+  };
   for (int64_t g = 0; g < groups; ++g) {
+    if (g >= 2) add_group(g - 2);
     uint16_t* slot = ring + (g % 2) * kGroupPairs * BF16Weights::kRecord;
+    constexpr int64_t kGroupBytes = kGroupPairs * W::kRecord * sizeof(typename W::Elem);
+    // the weights kAheadGroups groups on (the next panel's, past this one's end)
+    if (g + kAheadGroups < groups || next) {
+      request_lines<_MM_HINT_T0>(packed + (g + kAheadGroups) * kGroupPairs * W::kRecord,
+                                 kGroupBytes);
+    }
     widen_panel<W>(packed + g * kGroupPairs * W::kRecord, kGroupPairs, slot);
     _tile_loadd(2, x + g * W::kGroup, op.x_stride * 2);
     _tile_loadd(3, slot, kStride);
@@ -579,28 +614,16 @@ void group_tiles_times_panel(const Operands& op, int64_t row, int rows,
       _tile_zero(1);
       _tile_dpbf16ps(0, 2, 3);
       _tile_dpbf16ps(1, 2, 4);
-      if (g > 0) {
-        _tile_stored(5, part[0], 64);
-        _tile_stored(6, part[1], 64);
-        add_group(g - 1);
-      }
     } else {
       _tile_zero(5);
       _tile_zero(6);
       _tile_dpbf16ps(5, 2, 3);
       _tile_dpbf16ps(6, 2, 4);
-      _tile_stored(0, part[0], 64);
-      _tile_stored(1, part[1], 64);
-      add_group(g - 1);
     }
+    if (g >= 1) store_group(g - 1);
   }
-  if (groups % 2) {
-    _tile_stored(0, part[0], 64);
-    _tile_stored(1, part[1], 64);
-  } else {
-    _tile_stored(5, part[0], 64);
-    _tile_stored(6, part[1], 64);
-  }
+  store_group(groups - 1);
+  if (groups >= 2) add_group(groups - 2);
   add_group(groups - 1);
   for (int h = 0; h < 2; ++h) {
     const HalfPanelOutput out(op, p, h);
@@ -615,13 +638,19 @@ void group_tiles_times_panel(const Operands& op, int64_t row, int rows,
 // widens each product's records just before it into one of the two slots of ``ring``.
 template <typename W>
 void tiles_times_panel(const Operands& op, int64_t row, int rows,
-                       const typename W::Elem* panel, int64_t p, uint16_t* ring) {
+                       const typename W::Elem* panel, const typename W::Elem* next, int64_t p,
+                       uint16_t* ring) {
   const uint16_t* x = op.x + row * op.x_stride;
   constexpr int64_t kDepthPairs = kUngroupedDepth / 2;
   constexpr int64_t kStride = 2 * BF16Weights::kRecord;
   _tile_zero(0);
   _tile_zero(1);
   for (int64_t kp = 0; kp < op.k / 2; kp += kDepthPairs) {
+    constexpr int64_t kChunkBytes = kDepthPairs * W::kRecord * sizeof(typename W::Elem);
+    if (next || kp + kAheadGroups * kDepthPairs < op.k / 2) {
+      request_lines<_MM_HINT_T0>(panel + (kp + kAheadGroups * kDepthPairs) * W::kRecord,
+                                 kChunkBytes);
+    }
     const uint16_t* records;
     if constexpr (std::is_same_v<W, BF16Weights>) {
       records = panel + kp * BF16Weights::kRecord;
@@ -646,6 +675,44 @@ void tiles_times_panel(const Operands& op, int64_t row, int rows,
   }
 }
 
+// An ungrouped kind, two full row tiles at once: rows [row, row + 32) times both halves of
+// a bfloat16 panel, each weight tile loaded once for both (tiles 0, 1 the first row tile's
+// halves, 5, 6 the second's; 2 and 7 their inputs). Each row's products and sums are
+// tiles_times_panel's.
+void two_tiles_times_panel(const Operands& op, int64_t row, const uint16_t* panel, int64_t p) {
+  const uint16_t* x = op.x + row * op.x_stride;
+  const uint16_t* x2 = x + kTileRows * op.x_stride;
+  constexpr int64_t kDepthPairs = kUngroupedDepth / 2;
+  constexpr int64_t kStride = 2 * BF16Weights::kRecord;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(5);
+  _tile_zero(6);
+  for (int64_t kp = 0; kp < op.k / 2; kp += kDepthPairs) {
+    const uint16_t* records = panel + kp * BF16Weights::kRecord;
+    _tile_loadd(2, x + 2 * kp, op.x_stride * 2);
+    _tile_loadd(7, x2 + 2 * kp, op.x_stride * 2);
+    _tile_loadd(3, records, kStride);
+    _tile_loadd(4, records + 32, kStride);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+    _tile_dpbf16ps(5, 7, 3);
+    _tile_dpbf16ps(6, 7, 4);
+  }
+  alignas(64) float sums[2][2][kTileRows][16];  // [row tile][half]
+  _tile_stored(0, sums[0][0], 64);
+  _tile_stored(1, sums[0][1], 64);
+  _tile_stored(5, sums[1][0], 64);
+  _tile_stored(6, sums[1][1], 64);
+  for (int h = 0; h < 2; ++h) {
+    const HalfPanelOutput out(op, p, h);
+    if (out.empty()) break;
+    for (int r = 0; r < 2 * kTileRows; ++r) {
+      out.store(row + r, _mm512_load_ps(sums[r / kTileRows][h][r % kTileRows]));
+    }
+  }
+}
+
 // The whole call on tiles (tiles_take): threads split the panels; each widens a panel of a
 // kind other than bfloat16 into its scratch, then multiplies every row tile by it.
 template <typename W>
@@ -667,10 +734,11 @@ void tiles_linear(const Operands& op, int64_t m, const typename W::Elem* weights
         configure_tiles(static_cast<int>(m), tile_depth<W>());
         for (int64_t p = begin; p < end; ++p) {
           const typename W::Elem* packed = weights + p * pairs * W::kRecord;
+          const typename W::Elem* next = p + 1 < end ? packed + pairs * W::kRecord : nullptr;
           if constexpr (W::kGroup > 0) {
-            group_tiles_times_panel<W>(op, 0, static_cast<int>(m), packed, p, scratch);
+            group_tiles_times_panel<W>(op, 0, static_cast<int>(m), packed, next, p, scratch);
           } else {
-            tiles_times_panel<W>(op, 0, static_cast<int>(m), packed, p, scratch);
+            tiles_times_panel<W>(op, 0, static_cast<int>(m), packed, next, p, scratch);
           }
         }
         _tile_release();
@@ -686,7 +754,17 @@ void tiles_linear(const Operands& op, int64_t m, const typename W::Elem* weights
       } else {
         panel = packed;
       }
-      for (int64_t row = 0; row < m; row += kTileRows) {
+      int64_t row = 0;
+      if constexpr (W::kGroup == 0) {
+        for (; row + 2 * kTileRows <= m; row += 2 * kTileRows) {
+          if (configured_rows != kTileRows) {
+            configure_tiles(kTileRows, tile_depth<W>());
+            configured_rows = kTileRows;
+          }
+          two_tiles_times_panel(op, row, panel, p);
+        }
+      }
+      for (; row < m; row += kTileRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - row));
         if (rows != configured_rows) {
           configure_tiles(rows, tile_depth<W>());
@@ -699,7 +777,7 @@ void tiles_linear(const Operands& op, int64_t m, const typename W::Elem* weights
             group_tiles_times_half<W>(op, row, rows, panel, p, h, out);
           }
         } else {
-          tiles_times_panel<BF16Weights>(op, row, rows, panel, p, nullptr);
+          tiles_times_panel<BF16Weights>(op, row, rows, panel, nullptr, p, nullptr);
         }
       }
     }
