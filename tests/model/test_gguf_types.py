@@ -88,7 +88,11 @@ def test_every_type_loads_bit_for_bit(k_model_dir, tmp_path, qtype):
 @pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K],
                          ids=lambda q: q.name)
 def test_k_quant_model_matches_hf_with_the_stored_weights(k_model_dir, tmp_path, qtype):
-    """A whole model of the type computes what Hugging Face's does with the same weights."""
+    """A whole model of the type computes what Hugging Face's does with the same weights.
+
+    Random K-quant blocks give logits up to ~70, where float32 summation order alone moves
+    a logit by ~1e-3 (Hugging Face's own float32 logits differ from its float64 ones that
+    much), so the absolute tolerance scales with the largest logit."""
     path = str(tmp_path / "m.gguf")
     stored = write_gguf(k_model_dir, path, qtype, random=True)
     ours, _ = load_model(path, torch.float32, CPU)
@@ -97,7 +101,8 @@ def test_k_quant_model_matches_hf_with_the_stored_weights(k_model_dir, tmp_path,
     with torch.no_grad():
         expected = ref(torch.tensor([PROMPT])).logits[0]
     got = PagedRunner(ours).step([(0, PROMPT)], all_tokens=True)
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    scale = max(1.0, expected.abs().max().item())
+    torch.testing.assert_close(got, expected, atol=2e-5 * scale, rtol=1e-4)
 
 
 def plane_values(planes, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:

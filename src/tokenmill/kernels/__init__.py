@@ -12,7 +12,8 @@ The one door to them::
 ``build`` compiles the ``.cpp`` files here (or loads the cached build), ``capabilities``
 records what the build holds, ``signatures`` types the ops, ``linear`` packs weights for
 the linear kernels and ``quantize`` makes the integer weights they read. The bfloat16
-kernels (linear layers, prefill attention) exist only on a CPU with AVX512-BF16, the
+kernels (linear layers, prefill attention) exist only on a CPU with AVX512-BF16 (where it
+has AMX, the linear layers multiply on its tiles: ``capabilities.linear_tiles``), the
 float32 linear layers only on one with AVX2 and FMA but no AVX-512, the w4a8 linear layer
 on any with AVX2, FMA and F16C.
 """

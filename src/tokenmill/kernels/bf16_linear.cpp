@@ -552,10 +552,11 @@ constexpr int kFewRows = 8;
 // group g's products in 0 and 1 (halves 0 and 1) for even g, in 5 and 6 for odd g. A
 // group's stored products are read two groups later: a load right after a tile store waits
 // for the store to retire, which would hold back the loads of the weights behind it.
+// ``followed``: the thread's next panel follows this one (requests ahead run into it).
 template <typename W>
 void group_tiles_times_panel(const Operands& op, int64_t row, int rows,
-                             const typename W::Elem* packed, const typename W::Elem* next,
-                             int64_t p, uint16_t* ring) {
+                             const typename W::Elem* packed, bool followed, int64_t p,
+                             uint16_t* ring) {
   constexpr int64_t kGroupPairs = W::kGroup / 2;
   constexpr int64_t kStride = 2 * BF16Weights::kRecord;
   const int64_t groups = op.k / W::kGroup;
@@ -601,7 +602,7 @@ void group_tiles_times_panel(const Operands& op, int64_t row, int rows,
     uint16_t* slot = ring + (g % 2) * kGroupPairs * BF16Weights::kRecord;
     constexpr int64_t kGroupBytes = kGroupPairs * W::kRecord * sizeof(typename W::Elem);
     // the weights kAheadGroups groups on (the next panel's, past this one's end)
-    if (g + kAheadGroups < groups || next) {
+    if (g + kAheadGroups < groups || followed) {
       request_lines<_MM_HINT_T0>(packed + (g + kAheadGroups) * kGroupPairs * W::kRecord,
                                  kGroupBytes);
     }
@@ -636,9 +637,10 @@ void group_tiles_times_panel(const Operands& op, int64_t row, int rows,
 // tile product, each half's float32 sums accumulating in its own tile. W: BF16Weights
 // reads ``panel`` as bfloat16 records (a bfloat16 weight's, or a widened panel); int8
 // widens each product's records just before it into one of the two slots of ``ring``.
+// ``followed`` as group_tiles_times_panel's.
 template <typename W>
 void tiles_times_panel(const Operands& op, int64_t row, int rows,
-                       const typename W::Elem* panel, const typename W::Elem* next, int64_t p,
+                       const typename W::Elem* panel, bool followed, int64_t p,
                        uint16_t* ring) {
   const uint16_t* x = op.x + row * op.x_stride;
   constexpr int64_t kDepthPairs = kUngroupedDepth / 2;
@@ -647,7 +649,7 @@ void tiles_times_panel(const Operands& op, int64_t row, int rows,
   _tile_zero(1);
   for (int64_t kp = 0; kp < op.k / 2; kp += kDepthPairs) {
     constexpr int64_t kChunkBytes = kDepthPairs * W::kRecord * sizeof(typename W::Elem);
-    if (next || kp + kAheadGroups * kDepthPairs < op.k / 2) {
+    if (followed || kp + kAheadGroups * kDepthPairs < op.k / 2) {
       request_lines<_MM_HINT_T0>(panel + (kp + kAheadGroups * kDepthPairs) * W::kRecord,
                                  kChunkBytes);
     }
@@ -734,11 +736,12 @@ void tiles_linear(const Operands& op, int64_t m, const typename W::Elem* weights
         configure_tiles(static_cast<int>(m), tile_depth<W>());
         for (int64_t p = begin; p < end; ++p) {
           const typename W::Elem* packed = weights + p * pairs * W::kRecord;
-          const typename W::Elem* next = p + 1 < end ? packed + pairs * W::kRecord : nullptr;
+          const bool followed = p + 1 < end;  // the next panel, right after this one
           if constexpr (W::kGroup > 0) {
-            group_tiles_times_panel<W>(op, 0, static_cast<int>(m), packed, next, p, scratch);
+            group_tiles_times_panel<W>(op, 0, static_cast<int>(m), packed, followed, p,
+                                       scratch);
           } else {
-            tiles_times_panel<W>(op, 0, static_cast<int>(m), packed, next, p, scratch);
+            tiles_times_panel<W>(op, 0, static_cast<int>(m), packed, followed, p, scratch);
           }
         }
         _tile_release();
@@ -777,7 +780,7 @@ void tiles_linear(const Operands& op, int64_t m, const typename W::Elem* weights
             group_tiles_times_half<W>(op, row, rows, panel, p, h, out);
           }
         } else {
-          tiles_times_panel<BF16Weights>(op, row, rows, panel, nullptr, p, nullptr);
+          tiles_times_panel<BF16Weights>(op, row, rows, panel, false, p, nullptr);
         }
       }
     }

@@ -7,8 +7,9 @@ loading. The formats, and when each is chosen (``docs/performance.md`` has their
 and accuracy costs):
 
 - ``NativeFormat``: the engine's native kernels (``kernels.linear.NativeWeight``), where
-  they take the dtype: bfloat16 on a CPU with AVX512-BF16 but no AMX (with AMX, oneDNN's
-  tiles multiply a prefill's rows faster), float32 on one with AVX2 and FMA but no AVX-512.
+  they take the dtype: bfloat16 on a CPU with AVX512-BF16 (on an AMX CPU only where they
+  multiply on its tiles: without them oneDNN's tiles multiply a prefill's rows faster),
+  float32 on one with AVX2 and FMA but no AVX-512.
 - ``OneDNNFormat``: oneDNN's blocked layout, elsewhere on the CPU, in float32, bfloat16 or
   float16, where oneDNN can reorder the dtype (its bfloat16 reorder needs AVX512-BW/VL/DQ
   or AVX-NE-CONVERT, so an AVX2-only host keeps bfloat16 weights plain).
