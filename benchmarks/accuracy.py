@@ -52,6 +52,7 @@ CONFIGS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
            "int8": {"dtype": "auto", "quantization": "int8"},
            "int4": {"dtype": "auto", "quantization": "int4"},
            "w4a8": {"dtype": "auto", "quantization": "w4a8"},
+           "w8a8": {"dtype": "auto", "quantization": "w8a8"},
            "gguf": {"dtype": "auto", "quantization": "gguf"}}
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.",
@@ -89,7 +90,9 @@ def main() -> None:
     args = parser.parse_args()
     base = options_from(args, EngineConfig)
     kernels = native_kernels()
-    skipped = {"w4a8": kernels is None or not kernels.capabilities.w4a8_linear,  # AVX2
+    vnni = kernels is not None and kernels.capabilities.vnni_linear
+    skipped = {"w4a8": not vnni and (kernels is None or not kernels.capabilities.w4a8_linear),
+               "w8a8": not vnni,  # AVX512-VNNI
                "bfloat16": not cpu_has_bf16(),  # emulated: minutes per configuration
                "gguf": (base.model is not None and os.path.isdir(base.model))  # a GGUF file
                or not GGUFFormat.supports(resolve_dtype("auto", CPU), kernels)}

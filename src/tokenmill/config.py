@@ -23,7 +23,7 @@ from tokenmill.errors import InvalidParameterError
 from tokenmill.sampling_params import SamplingParams, StructuredOutput
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATION_CHOICES = ("none", "int8", "int4", "w4a8", "gguf")
+QUANTIZATION_CHOICES = ("none", "int8", "int4", "w4a8", "w8a8", "gguf")
 KERNEL_CHOICES = ("auto", "native", "torch")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
 
@@ -75,7 +75,8 @@ class EngineConfig:
                         "else float32), float32, bfloat16 or float16", choices=DTYPE_CHOICES)
     quantization: str = option(
         "none", "none; int8 or int4 (GGUF Q4_1's layout): quantized weights, activations in "
-        "the dtype; w4a8: int4 weights times int8 activations (CPU); gguf: a GGUF file's "
+        "the dtype; w4a8, w8a8: int4 or int8 weights times activations quantized to int8 "
+        "(CPU; w8a8 and bfloat16 w4a8 need AVX512-VNNI); gguf: a GGUF file's "
         "own blocks, exactly: Q8_0, Q5_0 in the int8 kernel with a scale per 32 inputs, "
         "Q6_K, Q3_K with one per 16; Q4_0, Q4_1, Q4_K in the int4 kernel as one 4-bit plane, "
         "Q5_1, Q5_K as two; Q2_K and float types in the dtype (CPU)",

@@ -29,8 +29,10 @@ def pick_device() -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device, quantization: str = "none") -> torch.dtype:
     """``"auto" | "float32" | "bfloat16" | "float16"`` -> the torch dtype to run in. With
-    ``quantization`` ``w4a8``, whose kernel takes float32 activations, ``auto`` is float32."""
-    if name == "auto" and quantization == "w4a8":
+    ``quantization`` ``w4a8`` on a CPU without AVX512-VNNI, whose w4a8 kernel takes float32
+    activations, ``auto`` is float32."""
+    if (name == "auto" and quantization == "w4a8" and device.type == "cpu"
+            and not cpu_has_avx512_vnni()):
         return torch.float32
     if name == "auto":
         native_bf16 = device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16())
@@ -49,6 +51,12 @@ def cpu_has_bf16() -> bool:
     if flags:
         return bool(_CPU_BF16_FLAGS & flags)
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def cpu_has_avx512_vnni() -> bool:
+    """Whether this CPU has AVX512-VNNI (the integer-activation kernels' VPDPBUSD; they are
+    built on Linux only, where ``/proc/cpuinfo`` says)."""
+    return "avx512_vnni" in cpu_flags()
 
 
 def cpu_has_amx() -> bool:

@@ -1,6 +1,7 @@
 """The capabilities record says what the build holds, and every choice follows it: a kernel
 reported missing is never chosen, on each kind of host (AMX with its tiles granted or not,
-AVX512-BF16 without AMX, AVX2 only, AVX-512 without BF16), whatever host the test runs on."""
+AVX512-BF16 without AMX, AVX2 only, AVX-512 without BF16 or VNNI), whatever host the test
+runs on."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from tokenmill.models.weight_formats import (
     NativeFormat,
     NativeInt4Format,
     NativeInt8Format,
+    NativeVnniW4A8Format,
     NativeW4A8Format,
+    NativeW8A8Format,
     OneDNNFormat,
     choose_weight_format,
 )
@@ -30,18 +33,18 @@ CPU = torch.device("cpu")
 BF16, F32 = torch.bfloat16, torch.float32
 HEADS = (9, 3, 64)  # query heads, KV heads, head size
 HOSTS = {
-    "amx": dict(bf16_linear=True, f32_linear=False, w4a8_linear=True,
+    "amx": dict(bf16_linear=True, f32_linear=False, w4a8_linear=True, vnni_linear=True,
                 prefill_attention_head_dims=frozenset({64, 128}), amx=True, linear_tiles=True),
     # an AMX CPU whose operating system does not grant the tiles (Linux before 5.16)
-    "amx_not_granted": dict(bf16_linear=True, f32_linear=False, w4a8_linear=True,
+    "amx_not_granted": dict(bf16_linear=True, f32_linear=False, w4a8_linear=True, vnni_linear=True,
                             prefill_attention_head_dims=frozenset({64, 128}), amx=True,
                             linear_tiles=False),
-    "avx512_bf16": dict(bf16_linear=True, f32_linear=False, w4a8_linear=True,
+    "avx512_bf16": dict(bf16_linear=True, f32_linear=False, w4a8_linear=True, vnni_linear=True,
                         prefill_attention_head_dims=frozenset({64, 128}), amx=False,
                         linear_tiles=False),
-    "avx2": dict(bf16_linear=False, f32_linear=True, w4a8_linear=True,
+    "avx2": dict(bf16_linear=False, f32_linear=True, w4a8_linear=True, vnni_linear=False,
                  prefill_attention_head_dims=frozenset(), amx=False, linear_tiles=False),
-    "avx512_no_bf16": dict(bf16_linear=False, f32_linear=False, w4a8_linear=True,
+    "avx512_no_bf16": dict(bf16_linear=False, f32_linear=False, w4a8_linear=True, vnni_linear=False,
                            prefill_attention_head_dims=frozenset(), amx=False,
                            linear_tiles=False),
 }
@@ -54,21 +57,30 @@ EXPECTED = {
             (BF16, "int4"): (NativeInt4Format, NativeInt8Format),
             (F32, "int8"): (Int8Format, Int8Format),
             (F32, "int4"): (Int4Format, Int8Format),
-            (F32, "w4a8"): (NativeW4A8Format, Int8Format)},
+            (F32, "w4a8"): (NativeVnniW4A8Format, Int8Format),
+            (BF16, "w4a8"): (NativeVnniW4A8Format, NativeInt8Format),
+            (F32, "w8a8"): (NativeW8A8Format, NativeW8A8Format),
+            (BF16, "w8a8"): (NativeW8A8Format, NativeW8A8Format)},
     "amx_not_granted": {(BF16, "none"): (OneDNNFormat, OneDNNFormat),
             (F32, "none"): (OneDNNFormat, OneDNNFormat),
             (BF16, "int8"): (NativeInt8Format, NativeInt8Format),
             (BF16, "int4"): (NativeInt4Format, NativeInt8Format),
             (F32, "int8"): (Int8Format, Int8Format),
             (F32, "int4"): (Int4Format, Int8Format),
-            (F32, "w4a8"): (NativeW4A8Format, Int8Format)},
+            (F32, "w4a8"): (NativeVnniW4A8Format, Int8Format),
+            (BF16, "w4a8"): (NativeVnniW4A8Format, NativeInt8Format),
+            (F32, "w8a8"): (NativeW8A8Format, NativeW8A8Format),
+            (BF16, "w8a8"): (NativeW8A8Format, NativeW8A8Format)},
     "avx512_bf16": {(BF16, "none"): (NativeFormat, NativeFormat),
                     (F32, "none"): (OneDNNFormat, OneDNNFormat),
                     (BF16, "int8"): (NativeInt8Format, NativeInt8Format),
                     (BF16, "int4"): (NativeInt4Format, NativeInt8Format),
                     (F32, "int8"): (Int8Format, Int8Format),
                     (F32, "int4"): (Int4Format, Int8Format),
-                    (F32, "w4a8"): (NativeW4A8Format, Int8Format)},
+                    (F32, "w4a8"): (NativeVnniW4A8Format, Int8Format),
+                    (BF16, "w4a8"): (NativeVnniW4A8Format, NativeInt8Format),
+                    (F32, "w8a8"): (NativeW8A8Format, NativeW8A8Format),
+                    (BF16, "w8a8"): (NativeW8A8Format, NativeW8A8Format)},
     "avx2": {(BF16, "none"): (OneDNNFormat, OneDNNFormat),
              (F32, "none"): (NativeFormat, NativeFormat),
              (BF16, "int8"): (Int8Format, Int8Format),
@@ -100,6 +112,7 @@ def test_capabilities_match_the_cpu_flags(native):
     assert caps.bf16_linear == ({"avx512_bf16", "avx512bw"} <= flags)
     assert caps.f32_linear == ({"avx2", "fma"} <= flags and "avx512f" not in flags)
     assert caps.w4a8_linear == ({"avx2", "fma", "f16c"} <= flags)
+    assert caps.vnni_linear == ({"avx512_vnni", "avx512bw", "f16c"} <= flags)
     assert caps.prefill_attention_head_dims == (frozenset({64, 128}) if caps.bf16_linear
                                                 else frozenset())
     assert caps.amx == ("amx_bf16" in flags)
@@ -133,7 +146,7 @@ def test_without_native_kernels_pytorch_formats_are_chosen(monkeypatch):
 def test_every_capability_off_leaves_no_native_format(native, monkeypatch):
     monkeypatch.setattr(weight_formats, "onednn_supports", lambda dtype: True)
     kernels = with_capabilities(native, bf16_linear=False, f32_linear=False, w4a8_linear=False,
-                                prefill_attention_head_dims=frozenset())
+                                vnni_linear=False, prefill_attention_head_dims=frozenset())
     for dtype in (BF16, F32):
         for quantization in ("none", "int8", "int4"):
             chosen = choose_weight_format(dtype, CPU, quantization, kernels)
@@ -141,6 +154,18 @@ def test_every_capability_off_leaves_no_native_format(native, monkeypatch):
             assert type(chosen.head) in (OneDNNFormat, Int8Format)
     with pytest.raises(ValueError, match="AVX2, FMA and F16C"):
         choose_weight_format(F32, CPU, "w4a8", kernels)
+    with pytest.raises(ValueError, match="AVX512-VNNI"):
+        choose_weight_format(BF16, CPU, "w8a8", kernels)
+
+
+def test_w4a8_in_bfloat16_needs_vnni(native):
+    """Without AVX512-VNNI, w4a8's kernel takes float32 activations only: bfloat16 is refused
+    with the way out, not computed another way."""
+    avx2 = with_capabilities(native, **HOSTS["avx2"])
+    with pytest.raises(ValueError, match="float32 activations"):
+        choose_weight_format(BF16, CPU, "w4a8", avx2)
+    with pytest.raises(ValueError, match="AVX512-VNNI"):
+        choose_weight_format(F32, CPU, "w8a8", avx2)
 
 
 def test_prefill_attention_follows_the_capabilities(native):
@@ -162,7 +187,7 @@ def test_a_missing_kernel_is_refused_not_called(native):
     """Asking for a kernel the capabilities deny raises at once (at build time), instead
     of failing in the middle of a forward pass."""
     none = with_capabilities(native, bf16_linear=False, f32_linear=False, w4a8_linear=False,
-                             prefill_attention_head_dims=frozenset())
+                             vnni_linear=False, prefill_attention_head_dims=frozenset())
     for dtype in (BF16, F32, torch.float16):
         with pytest.raises(KernelUnavailableError):
             none.linear_kernels(dtype)
@@ -170,5 +195,7 @@ def test_a_missing_kernel_is_refused_not_called(native):
             NativeWeight(none, torch.zeros(32, 64, dtype=dtype), None)
     with pytest.raises(KernelUnavailableError):
         none.w4a8_linear()
+    with pytest.raises(KernelUnavailableError):
+        none.vnni_linear()
     with pytest.raises(KernelUnavailableError):
         none.prefill_attention(BF16, 64)

@@ -14,7 +14,9 @@ from tokenmill.kernels.linear import (
     NativeInt4Weight,
     NativeInt8GroupWeight,
     NativeInt8Weight,
+    NativeVnniW4A8Weight,
     NativeW4A8Weight,
+    NativeW8A8Weight,
     NativeWeight,
 )
 from tokenmill.models.torch_weights import Int4Weight, Int8Weight, OneDNNWeight, onednn_supports
@@ -22,7 +24,9 @@ from tokenmill.models.weight_formats import (
     NativeFormat,
     NativeInt4Format,
     NativeInt8Format,
+    NativeVnniW4A8Format,
     NativeW4A8Format,
+    NativeW8A8Format,
     choose_weight_format,
 )
 
@@ -49,6 +53,10 @@ def formats(native) -> list[tuple[str, torch.dtype, type, bool]]:
                 ("int8-groups-32", NativeInt8GroupWeight))]
     if caps.w4a8_linear:
         out.append(("native-w4a8", torch.float32, NativeW4A8Weight, True))
+    if caps.vnni_linear:
+        out += [(f"native-vnni-{name}-{d}", d, cls, True)
+                for name, cls in (("w8a8", NativeW8A8Weight), ("w4a8", NativeVnniW4A8Weight))
+                for d in (torch.bfloat16, torch.float32)]
     return out
 
 
@@ -57,7 +65,8 @@ def pack(name: str, cls: type, weight: torch.Tensor, native):
         group = int(name.split("-")[3])  # native-int8-groups-<size>-<dtype>
         gen = torch.Generator().manual_seed(group)
         return cls(native, weight, None, int8_groups(*weight.shape, gen, group))
-    if cls in (NativeWeight, NativeInt8Weight, NativeInt4Weight, NativeW4A8Weight):
+    if cls in (NativeWeight, NativeInt8Weight, NativeInt4Weight, NativeW4A8Weight,
+               NativeW8A8Weight, NativeVnniW4A8Weight):
         return cls(native, weight, None)
     return cls(weight, None)
 
@@ -81,22 +90,24 @@ def test_rows_do_not_depend_on_the_row_count(native) -> None:
     assert not failures
 
 
-@pytest.mark.parametrize("quantization, cls", [("none", NativeFormat),
-                                               ("int8", NativeInt8Format),
-                                               ("int4", NativeInt4Format),
-                                               ("w4a8", NativeW4A8Format)])
-def test_batch_invariant_takes_native_formats_or_refuses(native, quantization, cls) -> None:
+@pytest.mark.parametrize("quantization, classes", [
+    ("none", (NativeFormat,)), ("int8", (NativeInt8Format,)), ("int4", (NativeInt4Format,)),
+    ("w4a8", (NativeVnniW4A8Format, NativeW4A8Format)), ("w8a8", (NativeW8A8Format,))])
+def test_batch_invariant_takes_native_formats_or_refuses(native, quantization, classes) -> None:
     for dtype in (torch.bfloat16, torch.float32, torch.float16):
         try:
             chosen = choose_weight_format(dtype, CPU, quantization, native,
                                           batch_invariant=True)
         except InvalidParameterError as error:
             assert error.param == "batch_invariant"
-            runs = (native.capabilities.linear(dtype)
-                    and (quantization != "w4a8" or NativeW4A8Format.supports(dtype, native)))
+            if quantization in ("w4a8", "w8a8"):  # the format and a native head
+                runs = (any(cls.supports(dtype, native) for cls in classes)
+                        and native.capabilities.linear(dtype))
+            else:
+                runs = native.capabilities.linear(dtype)
             assert not runs, f"{quantization} {dtype}: the host has its native kernel"
             continue
-        assert type(chosen) is cls
+        assert type(chosen) in classes
         assert type(chosen.head).__name__.startswith("Native")
     with pytest.raises(InvalidParameterError):
         choose_weight_format(torch.bfloat16, torch.device("cuda"), quantization, native,

@@ -34,6 +34,9 @@ class KernelCapabilities:
     w4a8_linear: bool
     """4-bit weights times float32 activations quantized to int8 per block of 16 inputs,
     multiplied as integers (AVX2, FMA and F16C)."""
+    vnni_linear: bool
+    """int8 or 4-bit weights times bfloat16 or float32 activations quantized to int8 per
+    block of 32 inputs, multiplied as integers (AVX512-VNNI)."""
     prefill_attention_head_dims: frozenset[int]
     """Head sizes of the causal prefill attention kernel, bfloat16 only (AVX512-BF16);
     empty without it."""
@@ -52,6 +55,7 @@ class KernelCapabilities:
         bf16 = hasattr(ops, "bf16_linear")
         return cls(bf16_linear=bf16, f32_linear=hasattr(ops, "f32_linear"),
                    w4a8_linear=hasattr(ops, "w4a8_linear"),
+                   vnni_linear=hasattr(ops, "vnni_w8a8_linear"),
                    prefill_attention_head_dims=(
                        PREFILL_HEAD_DIMS if hasattr(ops, "paged_prefill_attention")
                        else frozenset()),

@@ -203,3 +203,77 @@ class NativeW4A8Weight:
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.linear(x, self.packed, self.group_params, self.out_features, self.bias,
                            residual)
+
+
+VNNI_PANEL = 32  # outputs per panel of the VNNI kernels
+
+
+def _records(q: torch.Tensor) -> torch.Tensor:
+    """Integer weights ``q [N, K]`` in the VNNI kernels' records: N padded with zero rows to
+    panels of 32 outputs, ``[panels, K / 4, 2, 16, 4]`` (panel, record of 4 inputs, half of
+    the panel's outputs, output, input), element ``[p, r, h, o, j] = q[32 p + 16 h + o,
+    4 r + j]``."""
+    q = torch.nn.functional.pad(q, (0, 0, 0, -q.shape[0] % VNNI_PANEL))
+    return q.view(-1, 2, 16, q.shape[1] // 4, 4).permute(0, 3, 1, 2, 4)
+
+
+class NativeW8A8Weight:
+    """int8 weights with one float32 scale per output row (``quantize_int8_rows``) for
+    ``vnni_w8a8_linear``, which quantizes the activations (bfloat16 or float32) to int8 per
+    block of 32 inputs at every call and multiplies integers (AVX512-VNNI). Stored as
+    ``q + 128`` (unsigned: the operand VPDPBUSD takes) in ``_records``' layout, ``[panels,
+    K * 32]`` bytes; scales padded to the panels. Needs ``in % 32 == 0``."""
+
+    BLOCK = 32
+
+    def __init__(self, kernels: NativeKernels, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+        out_features, in_features = weight.shape
+        check_int4_shape(in_features, self.BLOCK, "w8a8")
+        self.linear = kernels.vnni_linear().w8a8
+        q, scales = quantize_int8_rows(weight)
+        unsigned = (q.to(torch.int16) + 128).to(torch.uint8)
+        self.packed = _records(unsigned).reshape(-1, in_features * VNNI_PANEL)
+        self.scales = torch.nn.functional.pad(scales, (0, -out_features % VNNI_PANEL))
+        self.out_features = out_features
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.packed, self.scales, self.out_features, self.bias, None)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.packed, self.scales, self.out_features, self.bias, residual)
+
+
+class NativeVnniW4A8Weight:
+    """4-bit weights in Q4_1's form with float16 scales and minimums (a Q4_1 file's own
+    values, exactly; ``groups`` where given, else quantized from ``weight``) for
+    ``vnni_w4a8_linear``, which quantizes the activations (bfloat16 or float32) to int8 per
+    block of 32 inputs at every call and multiplies integers (AVX512-VNNI). ``_records``'
+    layout with the panel's two halves in one byte, ``[panels, K * 16]`` bytes: output ``o``
+    in the low nibble, ``16 + o`` in the high one; ``group_params [panels, K / GROUP, 2,
+    32]`` the scales, then the minimums, of each group's 32 outputs. Needs ``in % GROUP ==
+    0``."""
+
+    GROUP = 32
+
+    def __init__(self, kernels: NativeKernels, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+        out_features, in_features = weight.shape
+        check_int4_shape(in_features, self.GROUP, "w4a8")
+        self.linear = kernels.vnni_linear().w4a8
+        q, scales, mins = quantize_q4_1_groups(weight, self.GROUP, torch.float16)
+        halves = _records(q)
+        self.packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(-1, in_features * 16)
+        self.group_params = torch.stack((group_panels(scales, VNNI_PANEL),
+                                         group_panels(mins, VNNI_PANEL)), dim=2).contiguous()
+        self.out_features = out_features
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.packed, self.group_params, self.out_features, self.bias,
+                           None)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.packed, self.group_params, self.out_features, self.bias,
+                           residual)

@@ -32,6 +32,15 @@ class LinearKernels:
 
 
 @dataclass(frozen=True, slots=True)
+class VnniLinearKernels:
+    """The linear kernels over int8 or 4-bit weights times activations quantized to int8
+    (AVX512-VNNI), for bfloat16 or float32 activations alike."""
+
+    w8a8: sig.W8A8Linear
+    w4a8: sig.W4A8Linear
+
+
+@dataclass(frozen=True, slots=True)
 class NativeKernels:
     """The compiled kernels of this CPU. The fields are the ops every build has, bound once
     here (callers keep and call them directly); the CPU-dependent kernels come from the
@@ -62,6 +71,13 @@ class NativeKernels:
         """The w4a8 linear kernel (``capabilities.w4a8_linear``)."""
         _require(self.capabilities.w4a8_linear, "the w4a8 linear kernel")
         return torch.ops.tokenmill.w4a8_linear
+
+    def vnni_linear(self) -> VnniLinearKernels:
+        """The integer-activation kernels of a CPU with AVX512-VNNI (``capabilities.
+        vnni_linear``)."""
+        _require(self.capabilities.vnni_linear, "the AVX512-VNNI linear kernels")
+        ops = torch.ops.tokenmill
+        return VnniLinearKernels(ops.vnni_w8a8_linear, ops.vnni_w4a8_linear)
 
     def prefill_attention(self, dtype: torch.dtype, head_dim: int) -> sig.PagedPrefillAttention:
         """The prefill attention kernel, for ``dtype`` heads of ``head_dim``

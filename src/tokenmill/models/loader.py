@@ -50,7 +50,7 @@ def load_model(
         if quantization == "gguf":
             raise InvalidParameterError(
                 f"--quantization gguf computes on a GGUF file's own blocks; {path} is a "
-                "folder: use none, int8, int4 or w4a8", "quantization")
+                "folder: use none, int8, int4, w4a8 or w8a8", "quantization")
         config, weights = _open_hf_folder(path)
     elif quantization == "gguf":
         config, weights = open_gguf(path, keep_blocks=True)

@@ -20,10 +20,16 @@ and accuracy costs):
 - ``Int4Format`` / ``NativeInt4Format``: ``--quantization int4``, likewise: 4-bit weights
   with a scale and a minimum per 32 inputs of a row (GGUF Q4_1's form: from a Q4_1 file's
   weights it recovers the file's own 4-bit values). The output head keeps 8 bits.
-- ``NativeW4A8Format``: ``--quantization w4a8``, float32 activations on a CPU with AVX2,
-  FMA and F16C: int4's weights (float16 scales and minimums) times activations quantized
-  to int8 per block of 16 inputs at every call, multiplied as integers. No PyTorch form.
-  The output head keeps 8 bits (native int8 where the CPU has the float32 kernels).
+- ``NativeVnniW4A8Format`` / ``NativeW4A8Format``: ``--quantization w4a8``: int4's
+  weights (float16 scales and minimums) times activations quantized to int8 at every
+  call, multiplied as integers. On a CPU with AVX512-VNNI, bfloat16 or float32 activations
+  in blocks of 32 inputs (``NativeVnniW4A8Weight``); elsewhere float32 activations in
+  blocks of 16 on a CPU with AVX2, FMA and F16C (``NativeW4A8Weight``). No PyTorch form.
+  The output head keeps 8-bit weights times the dtype's activations (native where the CPU
+  has that kernel).
+- ``NativeW8A8Format``: ``--quantization w8a8`` (AVX512-VNNI): int8's weights times
+  activations quantized to int8 per block of 32 inputs at every call, multiplied as
+  integers, the output head too. No PyTorch form.
 - ``GGUFFormat``: ``--quantization gguf``, a GGUF file's own values (``docs/gguf.md``):
   rows of Q8_0 and Q5_0, Q6_K and Q3_K (``gguf_blocks.INT8_GROUP_TYPES``) compute as int8
   with a scale per 32 or per 16 inputs in the native int8 kernel, rows of a type that
@@ -54,7 +60,9 @@ from tokenmill.kernels.linear import (
     NativeInt4Weight,
     NativeInt8GroupWeight,
     NativeInt8Weight,
+    NativeVnniW4A8Weight,
     NativeW4A8Weight,
+    NativeW8A8Weight,
     NativeWeight,
 )
 from tokenmill.models.gguf_blocks import INT8_GROUP_TYPES, PLANE_TYPES, FileRows
@@ -187,20 +195,51 @@ class NativeInt4Format(KernelWeightFormat):
         return NativeInt8Format(self.kernels)
 
 
-class NativeW4A8Format(KernelWeightFormat):
+class IntegerActivationsFormat(KernelWeightFormat):
+    """A format whose kernel quantizes the activations: the output head keeps them in the
+    dtype, with int8 weights (native where the CPU has the dtype's kernel)."""
+
+    dtype: torch.dtype  # the activations'
+
+    @property
+    def head(self) -> WeightFormat:
+        if NativeInt8Format.supports(self.dtype, self.kernels):
+            return NativeInt8Format(self.kernels)
+        return Int8Format()
+
+
+class NativeW4A8Format(IntegerActivationsFormat):
     packed = NativeW4A8Weight
+    dtype = torch.float32
 
     @staticmethod
     def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
         return (dtype == torch.float32 and kernels is not None
                 and kernels.capabilities.w4a8_linear)
 
+
+class NativeVnniW4A8Format(IntegerActivationsFormat):
+    packed = NativeVnniW4A8Weight
+
+    def __init__(self, kernels: NativeKernels, dtype: torch.dtype) -> None:
+        super().__init__(kernels)
+        self.dtype = dtype
+
+    @staticmethod
+    def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
+        return (dtype in (torch.bfloat16, torch.float32) and kernels is not None
+                and kernels.capabilities.vnni_linear)
+
+
+class NativeW8A8Format(NativeVnniW4A8Format):
+    packed = NativeW8A8Weight
+
     @property
     def head(self) -> WeightFormat:
-        """int8 with float32 activations: native where the CPU has that kernel."""
-        if NativeInt8Format.supports(torch.float32, self.kernels):
-            return NativeInt8Format(self.kernels)
-        return Int8Format()
+        """w8a8 too: on the embedded model it costs no more than an int8 head with the
+        dtype's activations (perplexity +0.04% against +0.01%, mean KL from float32 0.0138
+        against 0.0131 nats) and is twice as fast at 64 rows."""
+        return self
 
 
 class GGUFFormat(WeightFormat):
@@ -295,7 +334,7 @@ def choose_weight_format(dtype: torch.dtype, device: torch.device, quantization:
         if NativeFormat.supports(dtype, kernels):
             return NativeFormat(kernels)
         return OneDNNFormat() if OneDNNFormat.supports(dtype, kernels) else None
-    assert quantization in ("int8", "int4", "w4a8", "gguf"), "EngineConfig checks the name"
+    assert quantization in ("int8", "int4", "w4a8", "w8a8", "gguf"), "EngineConfig checks it"
     if device.type != "cpu":
         raise InvalidParameterError(f"--quantization {quantization} runs on the CPU only",
                                     "quantization")
@@ -308,15 +347,8 @@ def choose_weight_format(dtype: torch.dtype, device: torch.device, quantization:
         dense = choose_weight_format(dtype, device, "none", kernels)
         assert dense is not None, "the native linear kernels take the dtype (see GGUFFormat)"
         return GGUFFormat(kernels, dense)
-    if quantization == "w4a8":
-        if dtype != torch.float32:
-            raise InvalidParameterError("--quantization w4a8 takes float32 activations: use "
-                                        "--dtype auto or float32", "quantization")
-        if not NativeW4A8Format.supports(dtype, kernels):
-            raise InvalidParameterError(
-                "--quantization w4a8 needs the native kernels of a CPU with AVX2, FMA and "
-                "F16C (and kernels auto or native): use int4", "quantization")
-        return NativeW4A8Format(kernels)
+    if quantization in ("w4a8", "w8a8"):
+        return _integer_activations_format(dtype, quantization, kernels)
     native, portable = _QUANTIZED[quantization]
     if not portable.supports(dtype, kernels):
         raise InvalidParameterError(
@@ -325,17 +357,43 @@ def choose_weight_format(dtype: torch.dtype, device: torch.device, quantization:
     return native(kernels) if native.supports(dtype, kernels) else portable()
 
 
+def _integer_activations_format(dtype: torch.dtype, quantization: str,
+                                kernels: NativeKernels | None) -> WeightFormat:
+    """The format of ``--quantization w4a8`` or ``w8a8`` for ``dtype`` activations here."""
+    if NativeVnniW4A8Format.supports(dtype, kernels):
+        vnni = NativeW8A8Format if quantization == "w8a8" else NativeVnniW4A8Format
+        return vnni(kernels, dtype)
+    if quantization == "w4a8" and NativeW4A8Format.supports(dtype, kernels):
+        return NativeW4A8Format(kernels)
+    if quantization == "w4a8" and dtype != torch.float32 and NativeW4A8Format.supports(
+            torch.float32, kernels):
+        raise InvalidParameterError("--quantization w4a8 takes float32 activations on a CPU "
+                                    "without AVX512-VNNI: use --dtype auto or float32",
+                                    "quantization")
+    needs = ("a CPU with AVX512-VNNI, or with AVX2, FMA and F16C" if quantization == "w4a8"
+             else "a CPU with AVX512-VNNI")
+    raise InvalidParameterError(
+        f"--quantization {quantization} needs the native kernels of {needs} (and kernels "
+        f"auto or native): use {'int4' if quantization == 'w4a8' else 'int8'}", "quantization")
+
+
 def _native_format(dtype: torch.dtype, device: torch.device, quantization: str,
                    kernels: NativeKernels | None) -> WeightFormat:
     """The native format of ``quantization`` (its head native too), for ``batch_invariant``."""
+    if device.type == "cpu" and quantization in ("w4a8", "w8a8"):
+        try:
+            chosen = _integer_activations_format(dtype, quantization, kernels)
+        except InvalidParameterError:
+            chosen = None
+        if chosen is not None and isinstance(chosen.head, KernelWeightFormat):
+            return chosen
     formats = {"none": (NativeFormat.row_invariant, NativeFormat),
                "int8": (NativeInt8Format.supports, NativeInt8Format),
-               "int4": (NativeInt4Format.supports, NativeInt4Format),
-               "w4a8": (NativeW4A8Format.supports, NativeW4A8Format)}
-    supports, native = formats[quantization]
-    if (device.type == "cpu" and supports(dtype, kernels)
-            and (quantization != "w4a8" or NativeInt8Format.supports(dtype, kernels))):
-        return native(kernels)
+               "int4": (NativeInt4Format.supports, NativeInt4Format)}
+    if quantization in formats and device.type == "cpu":
+        supports, native = formats[quantization]
+        if supports(dtype, kernels):
+            return native(kernels)
     raise InvalidParameterError(
         f"--batch-invariant needs the native linear kernels for {str(dtype).removeprefix('torch.')}"
         f" (quantization {quantization}): bfloat16 on a CPU with AVX512-BF16, float32 on one "

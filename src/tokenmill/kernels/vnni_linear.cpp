@@ -1,0 +1,431 @@
+// Linear layers over int8 or 4-bit weights times activations quantized to int8, multiplied
+// as integers with AVX512-VNNI's VPDPBUSD (64 byte products summed into 16 int32 lanes per
+// instruction, twice the products of one bfloat16 VDPBF16PS):
+//
+//   vnni_w8a8_linear(x [M, K], packed, scales, N, bias?, residual?)
+//       -> x~ @ (q * scale).T (+ bias) (+ residual), q int8, a float32 scale per output
+//   vnni_w4a8_linear(x [M, K], packed, group_params, N, bias?, residual?)
+//       -> x~ @ (q * scale + min).T (+ bias) (+ residual), q in 0..15, a float16 scale
+//          and minimum per kGroup (32) inputs of an output (GGUF Q4_1's form, in its dtypes)
+//
+// x is bfloat16 or float32, and so are bias, residual and the output. Activations: each
+// row of x is quantized per block of inputs at every call (32 for w8a8, 16 for w4a8: the
+// kinds' kActBlock), x~ = d * round(x / d) with d = max|x| / 127 over the block (round to
+// nearest even). Then
+//
+//   w8a8: y[m, n] = scale[n] * (sum over blocks b: d[m, b] * sum (q[n, k] + 128) xq[m, k]
+//                               - c[m]),   c[m] = 128 * sum over b: d[m, b] * sum xq[m, k]
+//   w4a8: y[m, n] = sum over blocks b: scale[n, g(b)] * d[m, b] * sum q[n, k] xq[m, k]
+//                 + sum over groups g: min[n, g] * sum x[m, k]   (float32 sums of x)
+//
+// VPDPBUSD multiplies unsigned bytes by signed ones: 4-bit weights are unsigned already,
+// int8 weights are stored plus 128 (1..255) and c takes the 128s out again. The integer
+// sums are exact; the rest is float32 in an order that does not depend on M or on a row's
+// neighbours, so a row's output is the same in any batch.
+//
+// Packed layouts, in panels of kPanel (32) outputs and records of 4 inputs (the 4 bytes of
+// a VPDPBUSD lane); linear.NativeW8A8Weight and linear.NativeVnniW4A8Weight pack them:
+//   w8a8: packed [panels, K / 4, 2, 16, 4] uint8: [p][r][h][o][j] = q[32 p + 16 h + o][4 r + j]
+//         + 128 (a record is two 64-byte registers, outputs 0..15 and 16..31);
+//         scales [panels * 32] float32.
+//   w4a8: packed [panels, K / 4, 16, 4] uint8: [p][r][o][j] = q[32 p + o][4 r + j]
+//         | q[32 p + 16 + o][4 r + j] << 4 (one register; the nibbles are its two halves);
+//         group_params [panels, K / kGroup, 2, 32] float16: per group, the 32 outputs'
+//         scales, then their minimums.
+//
+// Threads split the panels; each streams its panels in order and requests the next one
+// into cache while it multiplies. Rows go through in chunks of at most kMaxRows (their
+// int32 and float32 sums in registers); later chunks find the panel in cache.
+//
+// Built for CPUs with AVX512-VNNI (and AVX512-BW); elsewhere these ops do not exist.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "linear_epilogue.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <utility>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
+    defined(__F16C__)
+
+namespace {
+
+constexpr int64_t kPanel = 32;  // outputs per panel
+constexpr int64_t kGroup = 32;  // inputs per w4a8 weight scale and minimum; K's multiple
+constexpr int kMaxRows = 6;  // the largest of the weight kinds' kMaxRows
+
+int64_t panels_for(int64_t n) { return (n + kPanel - 1) / kPanel; }
+
+// The 16 float32 values at src (bfloat16 or float32); lanes past `count` read as 0.
+inline __m512 load_floats(const uint16_t* src, int count) {
+  const __mmask16 mask = count >= 16 ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
+  const __m256i bits = _mm256_maskz_loadu_epi16(mask, src);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load_floats(const float* src, int count) {
+  const __mmask16 mask = count >= 16 ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
+  return _mm512_maskz_loadu_ps(mask, src);
+}
+
+// v rounded to bfloat16 (nearest even; NaN stays NaN) and stored to `count` lanes of dst,
+// or stored as float32.
+inline void store_floats(uint16_t* dst, __m512 v, int count) {
+  const __mmask16 mask = count >= 16 ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+  _mm256_mask_storeu_epi16(dst, mask, _mm512_cvtepi32_epi16(rounded));
+}
+inline void store_floats(float* dst, __m512 v, int count) {
+  const __mmask16 mask = count >= 16 ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
+  _mm512_mask_storeu_ps(dst, mask, v);
+}
+
+// Whether v is neither NaN nor an infinity, read off its bits (fast math would fold
+// std::isfinite to true).
+inline bool finite(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return (bits & 0x7f800000u) != 0x7f800000u;
+}
+
+// The activations of one call, quantized: xq [M, K] int8; d [M, K / W::kActBlock], the
+// blocks' scales (NaN for a block holding a NaN or an infinity, 0 for one of zeros); in
+// `sums`, per row either the float32 sums of x per kGroup inputs (w4a8's minimums,
+// [M, K / kGroup]) or c (w8a8's 128s, [M]).
+struct QuantizedRows {
+  const int8_t* xq;
+  const float* d;
+  const float* sums;
+  int64_t k;
+};
+
+// The weight kinds: inputs per activation scale, how a record becomes the two registers
+// of 16 outputs x 4 inputs that VPDPBUSD takes, and what a block's int32 sums add to the
+// float32 ones.
+struct W8 {
+  static constexpr int64_t kActBlock = 32;
+  static constexpr int64_t kRecordBytes = 128;
+  static constexpr int kMaxRows = 6;  // 2 int32 and 2 float32 sums a row in registers
+  static constexpr bool kPinSums = false;  // GCC keeps them in registers unasked
+  static constexpr bool kGroupSums = false;
+  static inline void load(const uint8_t* record, __m512i& lo, __m512i& hi) {
+    lo = _mm512_loadu_si512(record);
+    hi = _mm512_loadu_si512(record + 64);
+  }
+  struct GroupParams {};
+  static inline GroupParams params_of(const uint16_t*) { return {}; }
+  // acc += sums * d (the weight scale comes last, per output)
+  static inline __m512 add_block(__m512 acc, __m512i sums, float d, const GroupParams&, int) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(d), acc);
+  }
+};
+
+struct W4 {
+  // Blocks of 32 inputs raised the embedded model's perplexity by 1.8% (int8 weights: by
+  // 0.01%), blocks of 16 by about 1%.
+  static constexpr int64_t kActBlock = 16;
+  static constexpr int64_t kRecordBytes = 64;
+  static constexpr int kMaxRows = 4;  // and a group's scales and minimums
+  // An empty asm statement after each row's products keeps its sums in registers, taking
+  // products one record at a time: without it GCC interleaves a block's records and
+  // spills (2x slower). (With the int8 kind it makes GCC spill instead.)
+  static constexpr bool kPinSums = true;
+  static constexpr bool kGroupSums = true;
+  static inline void load(const uint8_t* record, __m512i& lo, __m512i& hi) {
+    const __m512i v = _mm512_loadu_si512(record), nibble = _mm512_set1_epi8(0x0f);
+    lo = _mm512_and_si512(v, nibble);
+    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+  }
+  // A group's scales and minimums, per half of the panel, from its [2, 32] float16.
+  struct GroupParams {
+    __m512 scale[2], min[2];
+  };
+  static inline GroupParams params_of(const uint16_t* params) {
+    const auto half = [&](int64_t offset) {
+      return _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + offset)));
+    };
+    return {{half(0), half(16)}, {half(kPanel), half(kPanel + 16)}};
+  }
+  // acc += sums * (scale * d)
+  static inline __m512 add_block(__m512 acc, __m512i sums, float d, const GroupParams& params,
+                                 int h) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums),
+                           _mm512_mul_ps(params.scale[h], _mm512_set1_ps(d)), acc);
+  }
+  // acc += min * (the group's sum of x)
+  static inline __m512 add_minimums(__m512 acc, float x_sum, const GroupParams& params,
+                                    int h) {
+    return _mm512_fmadd_ps(params.min[h], _mm512_set1_ps(x_sum), acc);
+  }
+};
+
+// Row r of x, block by block: int8 values into xq, the scales into d, and into sums those
+// of W's kind (QuantizedRows).
+template <typename W, typename T>
+void quantize_row(const T* x, int64_t k, int8_t* xq, float* d, float* sums) {
+  constexpr int64_t kBlock = W::kActBlock;
+  static_assert(kBlock == 16 || kBlock == 32, "one or two registers a block");
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  float c = 0.f, group_sum = 0.f;
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const __m512 lo = load_floats(x + b * kBlock, 16);
+    const __m512 hi = kBlock == 32 ? load_floats(x + b * kBlock + 16, 16) : _mm512_setzero_ps();
+    const float amax = _mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_and_ps(lo, abs_mask), _mm512_and_ps(hi, abs_mask)));
+    const float sum = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    const bool ok = finite(sum);  // a NaN or an infinity in the block makes its sum one
+    const __m512 inv = _mm512_set1_ps(ok && amax > 0.f ? 127.f / amax : 0.f);
+    // round to nearest even (the default rounding mode), |value| <= 127: no saturation
+    const __m512i q_lo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
+    const __m512i q_hi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock), _mm512_cvtepi32_epi8(q_lo));
+    if constexpr (kBlock == 32) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock + 16),
+                       _mm512_cvtepi32_epi8(q_hi));
+    }
+    const float scale = ok ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
+    d[b] = scale;
+    if constexpr (W::kGroupSums) {
+      group_sum += sum;
+      if ((b + 1) * kBlock % kGroup == 0) {
+        sums[(b + 1) * kBlock / kGroup - 1] = group_sum;
+        group_sum = 0.f;
+      }
+    } else {
+      c += scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi)));
+    }
+  }
+  if constexpr (!W::kGroupSums) *sums = 128.f * c;
+}
+
+// Rows [row, row + ROWS) of the call times one panel: acc[r][h] = outputs 16 h .. 16 h + 15
+// of row r, before the epilogue. params: the panel's group_params (w4a8) or null.
+template <typename W, int ROWS>
+inline void panel_kernel(const QuantizedRows& xr, int64_t row, const uint8_t* panel,
+                         const uint16_t* params, const char* ahead, __m512 (&acc)[kMaxRows][2]) {
+  constexpr int64_t kRecords = W::kActBlock / 4, kBlockBytes = kRecords * W::kRecordBytes;
+  const int64_t k = xr.k, blocks = k / W::kActBlock, groups = k / kGroup;
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int8_t* x = xr.xq + row * k;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = panel + b * kBlockBytes;
+    if (ahead) {  // the next panel's same block, a cache line at a time
+      for (int64_t line = 0; line < kBlockBytes; line += 64) {
+        _mm_prefetch(ahead + b * kBlockBytes + line, _MM_HINT_T1);
+      }
+    }
+    __m512i sums[kMaxRows][2];
+    for (int r = 0; r < ROWS; ++r) sums[r][0] = sums[r][1] = _mm512_setzero_si512();
+    for (int64_t i = 0; i < kRecords; ++i) {
+      __m512i lo, hi;
+      W::load(block + i * W::kRecordBytes, lo, hi);
+      const int8_t* xi = x + b * W::kActBlock + 4 * i;
+      for (int r = 0; r < ROWS; ++r) {
+        int32_t four;
+        std::memcpy(&four, xi + r * k, sizeof(four));
+        const __m512i xb = _mm512_set1_epi32(four);
+        sums[r][0] = _mm512_dpbusd_epi32(sums[r][0], lo, xb);
+        sums[r][1] = _mm512_dpbusd_epi32(sums[r][1], hi, xb);
+        if constexpr (W::kPinSums) __asm__("" : "+v"(sums[r][0]), "+v"(sums[r][1]));
+      }
+    }
+    const int64_t g = b * W::kActBlock / kGroup;
+    const bool group_ends = (b + 1) * W::kActBlock % kGroup == 0;
+    const typename W::GroupParams group_params =
+        W::params_of(params ? params + g * 2 * kPanel : nullptr);
+    for (int r = 0; r < ROWS; ++r) {
+      const float d = xr.d[(row + r) * blocks + b];
+      for (int h = 0; h < 2; ++h) {
+        acc[r][h] = W::add_block(acc[r][h], sums[r][h], d, group_params, h);
+        if constexpr (W::kGroupSums) {
+          if (group_ends) {
+            acc[r][h] = W::add_minimums(acc[r][h], xr.sums[(row + r) * groups + g],
+                                        group_params, h);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+struct Output {
+  const float* scales;  // w8a8: per output (padded to the panels); w4a8: null
+  const T* bias;        // per output, or null
+  const T* residual;    // [M, n], or null
+  int64_t res_stride;
+  T* out;  // [M, n]
+  int64_t n;
+};
+
+template <typename W, int ROWS, typename T>
+void rows_times_panel(const QuantizedRows& xr, int64_t row, const uint8_t* panel,
+                      const uint16_t* params, const char* ahead, int64_t p, const Output<T>& o) {
+  __m512 acc[kMaxRows][2];
+  panel_kernel<W, ROWS>(xr, row, panel, params, ahead, acc);
+  for (int h = 0; h < 2; ++h) {
+    const int64_t col = p * kPanel + 16 * h;
+    if (col >= o.n) break;
+    const int width = static_cast<int>(std::min<int64_t>(16, o.n - col));
+    const __m512 bias = o.bias ? load_floats(o.bias + col, width) : _mm512_setzero_ps();
+    for (int r = 0; r < ROWS; ++r) {
+      __m512 v = acc[r][h];
+      if (o.scales) {  // w8a8: the 128s out, then the weight scale
+        v = _mm512_mul_ps(_mm512_sub_ps(v, _mm512_set1_ps(xr.sums[row + r])),
+                          _mm512_loadu_ps(o.scales + col));
+      }
+      v = _mm512_add_ps(v, bias);
+      if (o.residual) {
+        v = _mm512_add_ps(v, load_floats(o.residual + (row + r) * o.res_stride + col, width));
+      }
+      store_floats(o.out + (row + r) * o.n + col, v, width);
+    }
+  }
+}
+
+template <typename W, typename T>
+using RowsFn = void (*)(const QuantizedRows&, int64_t, const uint8_t*, const uint16_t*,
+                        const char*, int64_t, const Output<T>&);
+template <typename W, typename T, int... R>
+constexpr auto make_table(std::integer_sequence<int, R...>) {
+  return std::array<RowsFn<W, T>, sizeof...(R)>{&rows_times_panel<W, R + 1, T>...};
+}
+template <typename W, typename T>
+constexpr auto kRowsFns = make_table<W, T>(std::make_integer_sequence<int, W::kMaxRows>{});
+
+// The storage type of x's dtype: bfloat16 as its bits.
+template <typename T>
+const T* data_of(const at::Tensor& t) {
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    return reinterpret_cast<const uint16_t*>(t.data_ptr());
+  } else {
+    return t.data_ptr<float>();
+  }
+}
+
+template <typename W, typename T>
+void linear(const at::Tensor& x, const at::Tensor& packed, const float* scales,
+            const uint16_t* params, const std::optional<at::Tensor>& bias,
+            const std::optional<at::Tensor>& residual, at::Tensor& out) {
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1), blocks = k / W::kActBlock;
+  const int64_t groups = k / kGroup;
+  // One scratch allocation for the quantized rows: scales and sums (float32), then the
+  // int8 values.
+  const int64_t scale_count = m * blocks, sum_count = W::kGroupSums ? m * groups : m;
+  at::Tensor scratch = at::empty({(scale_count + sum_count) * 4 + m * k},
+                                 x.options().dtype(at::kByte));
+  auto* d = reinterpret_cast<float*>(scratch.data_ptr<uint8_t>());
+  float* sums = d + scale_count;
+  auto* xq = reinterpret_cast<int8_t*>(sums + sum_count);
+  const T* xs = data_of<T>(x);
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      quantize_row<W>(xs + r * x.stride(0), k, xq + r * k, d + r * blocks,
+                      sums + (W::kGroupSums ? r * groups : r));
+    }
+  });
+  const QuantizedRows xr{xq, d, sums, k};
+  const Output<T> o{scales, bias ? data_of<T>(*bias) : nullptr,
+                    residual ? data_of<T>(*residual) : nullptr,
+                    residual ? residual->stride(0) : 0,
+                    reinterpret_cast<T*>(out.data_ptr()), n};
+  const auto* weights = packed.data_ptr<uint8_t>();
+  const int64_t panel_bytes = k / 4 * W::kRecordBytes, panel_params = groups * 2 * kPanel;
+  const int64_t chunks = (m + W::kMaxRows - 1) / W::kMaxRows;  // of nearly equal sizes
+  at::parallel_for(0, panels_for(n), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* panel = weights + p * panel_bytes;
+      const char* next =
+          p + 1 < end ? reinterpret_cast<const char*>(panel + panel_bytes) : nullptr;
+      for (int64_t c = 0, row = 0; c < chunks; ++c) {
+        const int64_t rows = (m - row) / (chunks - c);
+        kRowsFns<W, T>[rows - 1](xr, row, panel, params ? params + p * panel_params : nullptr,
+                                 c == 0 ? next : nullptr, p, o);
+        row += rows;
+      }
+    }
+  });
+}
+
+// The checks both ops share, and the dispatch on x's dtype.
+template <typename W>
+at::Tensor checked_linear(const at::Tensor& x, const at::Tensor& packed, const float* scales,
+                          const uint16_t* params, int64_t out_features,
+                          const std::optional<at::Tensor>& bias,
+                          const std::optional<at::Tensor>& residual, const char* layout) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 &&
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x must be [M, K] bfloat16 or float32 with contiguous rows");
+  const int64_t m = x.size(0), k = x.size(1), panels = panels_for(out_features);
+  TORCH_CHECK(k % kGroup == 0, "x must be [M, K] with K a multiple of ", kGroup);
+  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
+                  packed.size(0) == panels && packed.size(1) == k / 4 * W::kRecordBytes,
+              "packed must be ", layout, "'s packing of an [out_features, K] weight");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  tokenmill::check_bias_and_residual(bias, residual, m, out_features, x.scalar_type(),
+                                     bf16 ? "bfloat16" : "float32");
+  at::Tensor out = at::empty({m, out_features}, x.options());
+  if (m == 0) return out;
+  if (bf16) {
+    linear<W, uint16_t>(x, packed, scales, params, bias, residual, out);
+  } else {
+    linear<W, float>(x, packed, scales, params, bias, residual, out);
+  }
+  return out;
+}
+
+at::Tensor vnni_w8a8_linear(const at::Tensor& x, const at::Tensor& packed,
+                            const at::Tensor& scales, int64_t out_features,
+                            const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == panels_for(out_features) * kPanel &&
+                  scales.is_contiguous() && scales.scalar_type() == at::kFloat,
+              "scales must be [out_features padded to a multiple of ", kPanel, "] float32");
+  return checked_linear<W8>(x, packed, scales.data_ptr<float>(), nullptr, out_features, bias,
+                            residual, "linear.NativeW8A8Weight");
+}
+
+at::Tensor vnni_w4a8_linear(const at::Tensor& x, const at::Tensor& packed,
+                            const at::Tensor& group_params, int64_t out_features,
+                            const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
+  TORCH_CHECK(group_params.dim() == 4 && group_params.size(0) == panels_for(out_features) &&
+                  group_params.size(1) * kGroup == x.size(1) && group_params.size(2) == 2 &&
+                  group_params.size(3) == kPanel && group_params.is_contiguous() &&
+                  group_params.scalar_type() == at::kHalf,
+              "group_params must be [panels, K / ", kGroup, ", 2, ", kPanel, "] float16");
+  return checked_linear<W4>(x, packed, nullptr,
+                            reinterpret_cast<const uint16_t*>(group_params.data_ptr()),
+                            out_features, bias, residual, "linear.NativeVnniW4A8Weight");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("vnni_w8a8_linear(Tensor x, Tensor packed, Tensor scales, int out_features, "
+        "Tensor? bias, Tensor? residual) -> Tensor");
+  m.def("vnni_w4a8_linear(Tensor x, Tensor packed, Tensor group_params, int out_features, "
+        "Tensor? bias, Tensor? residual) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("vnni_w8a8_linear", &vnni_w8a8_linear);
+  m.impl("vnni_w4a8_linear", &vnni_w4a8_linear);
+}
+
+#endif  // AVX512-VNNI
