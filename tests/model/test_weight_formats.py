@@ -18,7 +18,9 @@ from tokenmill.hardware import resolve_dtype
 from tokenmill.kernels.linear import (
     NativeInt4Weight,
     NativeInt8Weight,
+    NativeVnniW4A8Weight,
     NativeW4A8Weight,
+    NativeW8A8Weight,
     NativeWeight,
 )
 from tokenmill.models import weight_formats
@@ -188,30 +190,54 @@ def test_int4_recovers_the_4_bit_values_of_q4_1_blocks(kernels, dtype, request):
 
 @pytest.mark.parametrize("variant", ["llama", "llama_untied", "qwen2"])
 def test_w4a8_matches_float32_within_quantization_error(tiny_model_dir, variant, native):
-    if not native.capabilities.w4a8_linear:
-        pytest.skip("the w4a8 kernel needs a CPU with AVX2, FMA and F16C")
+    caps = native.capabilities
+    if not (caps.w4a8_linear or caps.vnni_linear):
+        pytest.skip("the w4a8 kernels need a CPU with AVX2, FMA and F16C, or AVX512-VNNI")
     model_dir = tiny_model_dir(variant)
     quantized, _ = load_model(model_dir, torch.float32, CPU, "w4a8", native)
-    # 8 bits, float32 activations
-    head = NativeInt8Weight if native.capabilities.f32_linear else Int8Weight
-    assert packed_formats(quantized) == {NativeW4A8Weight, head}
+    # the output head in 8 bits: w8a8 with VNNI, else int8 weights, float32 activations
+    if caps.vnni_linear:
+        expected = {NativeVnniW4A8Weight, NativeW8A8Weight}
+    else:
+        expected = {NativeW4A8Weight, NativeInt8Weight if caps.f32_linear else Int8Weight}
+    assert packed_formats(quantized) == expected
     got = mixed_batch_logits(quantized)
     reference = mixed_batch_logits(unpacked_model(model_dir, torch.float32))
     # int4's bound: 8-bit activations add little to the 4-bit weights' error
     torch.testing.assert_close(got, reference, atol=0.8, rtol=0.1)
 
 
-def test_w4a8_runs_only_as_its_native_kernel(native):
-    without = dataclasses.replace(
-        native, capabilities=dataclasses.replace(native.capabilities, w4a8_linear=False))
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+def test_w8a8_matches_float32_within_quantization_error(tiny_model_dir, variant, dtype,
+                                                        native):
+    if not native.capabilities.vnni_linear:
+        pytest.skip("the w8a8 kernel needs a CPU with AVX512-VNNI")
+    model_dir = tiny_model_dir(variant)
+    quantized, _ = load_model(model_dir, dtype, CPU, "w8a8", native)
+    assert packed_formats(quantized) == {NativeW8A8Weight}  # the output head too
+    got = mixed_batch_logits(quantized).float()
+    reference = mixed_batch_logits(unpacked_model(model_dir, torch.float32))
+    # int8's bound, and bfloat16's where the activations are bfloat16
+    torch.testing.assert_close(got, reference, atol=0.3, rtol=0.05)
+
+
+def test_w4a8_runs_only_as_its_native_kernels(native):
+    without = dataclasses.replace(native, capabilities=dataclasses.replace(
+        native.capabilities, w4a8_linear=False, vnni_linear=False))
     with pytest.raises(InvalidParameterError, match="AVX2, FMA and F16C") as info:
         choose_weight_format(torch.float32, CPU, "w4a8", without)
     assert info.value.param == "quantization"
+    avx2_only = dataclasses.replace(native, capabilities=dataclasses.replace(
+        native.capabilities, w4a8_linear=True, vnni_linear=False))
     for dtype in (BF16, torch.float16):
         with pytest.raises(InvalidParameterError, match="float32 activations"):
-            choose_weight_format(dtype, CPU, "w4a8", native)
-    with pytest.raises(InvalidParameterError, match="CPU only"):
-        choose_weight_format(torch.float32, torch.device("cuda"), "w4a8", native)
+            choose_weight_format(dtype, CPU, "w4a8", avx2_only)
+    with pytest.raises(InvalidParameterError, match="AVX512-VNNI"):
+        choose_weight_format(torch.float32, CPU, "w8a8", avx2_only)
+    for quantization in ("w4a8", "w8a8"):
+        with pytest.raises(InvalidParameterError, match="CPU only"):
+            choose_weight_format(torch.float32, torch.device("cuda"), quantization, native)
     with pytest.raises(InvalidParameterError, match="use int8"):
         NativeW4A8Weight(native, torch.zeros(16, 48), None)
 
@@ -253,17 +279,21 @@ def test_quantization_rejects_what_it_cannot_run(dtype, device, message, quantiz
 
 @pytest.mark.slow
 def test_quantized_perplexity_of_smollm2_within_two_percent(native):
-    """The accuracy int8, int4, w4a8 and gguf (the file's own Q4_1 blocks) cost, bounded:
-    the embedded model on a fixed public-domain text, computed as the engine computes it
-    (the dtype ``auto`` picks here, float32 for w4a8; native kernels where they run)."""
+    """The accuracy int8, int4, w4a8, w8a8 and gguf (the file's own Q4_1 blocks) cost,
+    bounded: the embedded model on a fixed public-domain text, computed as the engine
+    computes it (the dtype ``auto`` picks here, float32 for w4a8 without AVX512-VNNI;
+    native kernels where they run)."""
     with open(TEXT, encoding="utf-8") as f:
         token_ids = load_tokenizer(None).encode(f.read())
     assert len(token_ids) > 500
     exact = perplexity(load_model(None, torch.float32, CPU)[0], token_ids)
     assert 5 < exact < 20  # the model reads English: a sanity bound on the measure itself
-    for quantization in ("int8", "int4", "w4a8", "gguf"):
-        if quantization == "w4a8" and not native.capabilities.w4a8_linear:
-            continue  # its kernel needs AVX2 and FMA
+    caps = native.capabilities
+    for quantization in ("int8", "int4", "w4a8", "w8a8", "gguf"):
+        if quantization == "w4a8" and not (caps.w4a8_linear or caps.vnni_linear):
+            continue  # its kernels need AVX2 and FMA, or AVX512-VNNI
+        if quantization == "w8a8" and not caps.vnni_linear:
+            continue
         dtype = resolve_dtype("auto", CPU, quantization)
         if quantization == "gguf" and not GGUFFormat.supports(dtype, native):
             continue  # the native int4 kernel of the dtype

@@ -14,8 +14,9 @@ records what the build holds, ``signatures`` types the ops, ``linear`` packs wei
 the linear kernels and ``quantize`` makes the integer weights they read. The bfloat16
 kernels (linear layers, prefill attention) exist only on a CPU with AVX512-BF16 (where it
 has AMX, the linear layers multiply on its tiles: ``capabilities.linear_tiles``), the
-float32 linear layers only on one with AVX2 and FMA but no AVX-512, the w4a8 linear layer
-on any with AVX2, FMA and F16C.
+float32 linear layers only on one with AVX2 and FMA but no AVX-512, the float32 w4a8
+linear layer on any with AVX2, FMA and F16C, the integer-activation linear layers (w8a8,
+w4a8; bfloat16 or float32) on one with AVX512-VNNI.
 """
 
 from tokenmill.kernels.capabilities import KernelCapabilities
