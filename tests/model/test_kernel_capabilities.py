@@ -48,6 +48,10 @@ HOSTS = {
                            prefill_attention_head_dims=frozenset(), amx=False,
                            linear_tiles=False),
 }
+# w4a8 and w8a8 where the CPU has AVX512-VNNI: either dtype, the head in w8a8
+VNNI = {(dtype, quantization): (fmt, NativeW8A8Format)
+        for dtype in (BF16, F32)
+        for quantization, fmt in (("w4a8", NativeVnniW4A8Format), ("w8a8", NativeW8A8Format))}
 # (dtype, quantization) -> (format, its head's format) on each kind of host; oneDNN can
 # reorder every dtype here (an AVX2-only CPU cannot for bfloat16: see test_weight_formats)
 EXPECTED = {
@@ -57,30 +61,21 @@ EXPECTED = {
             (BF16, "int4"): (NativeInt4Format, NativeInt8Format),
             (F32, "int8"): (Int8Format, Int8Format),
             (F32, "int4"): (Int4Format, Int8Format),
-            (F32, "w4a8"): (NativeVnniW4A8Format, NativeW8A8Format),
-            (BF16, "w4a8"): (NativeVnniW4A8Format, NativeW8A8Format),
-            (F32, "w8a8"): (NativeW8A8Format, NativeW8A8Format),
-            (BF16, "w8a8"): (NativeW8A8Format, NativeW8A8Format)},
+            **VNNI},
     "amx_not_granted": {(BF16, "none"): (OneDNNFormat, OneDNNFormat),
             (F32, "none"): (OneDNNFormat, OneDNNFormat),
             (BF16, "int8"): (NativeInt8Format, NativeInt8Format),
             (BF16, "int4"): (NativeInt4Format, NativeInt8Format),
             (F32, "int8"): (Int8Format, Int8Format),
             (F32, "int4"): (Int4Format, Int8Format),
-            (F32, "w4a8"): (NativeVnniW4A8Format, NativeW8A8Format),
-            (BF16, "w4a8"): (NativeVnniW4A8Format, NativeW8A8Format),
-            (F32, "w8a8"): (NativeW8A8Format, NativeW8A8Format),
-            (BF16, "w8a8"): (NativeW8A8Format, NativeW8A8Format)},
+            **VNNI},
     "avx512_bf16": {(BF16, "none"): (NativeFormat, NativeFormat),
                     (F32, "none"): (OneDNNFormat, OneDNNFormat),
                     (BF16, "int8"): (NativeInt8Format, NativeInt8Format),
                     (BF16, "int4"): (NativeInt4Format, NativeInt8Format),
                     (F32, "int8"): (Int8Format, Int8Format),
                     (F32, "int4"): (Int4Format, Int8Format),
-                    (F32, "w4a8"): (NativeVnniW4A8Format, NativeW8A8Format),
-                    (BF16, "w4a8"): (NativeVnniW4A8Format, NativeW8A8Format),
-                    (F32, "w8a8"): (NativeW8A8Format, NativeW8A8Format),
-                    (BF16, "w8a8"): (NativeW8A8Format, NativeW8A8Format)},
+                    **VNNI},
     "avx2": {(BF16, "none"): (OneDNNFormat, OneDNNFormat),
              (F32, "none"): (NativeFormat, NativeFormat),
              (BF16, "int8"): (Int8Format, Int8Format),

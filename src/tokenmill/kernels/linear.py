@@ -247,13 +247,12 @@ class NativeW8A8Weight:
 
 class NativeVnniW4A8Weight:
     """4-bit weights in Q4_1's form with float16 scales and minimums (a Q4_1 file's own
-    values, exactly; ``groups`` where given, else quantized from ``weight``) for
-    ``vnni_w4a8_linear``, which quantizes the activations (bfloat16 or float32) to int8 per
-    block of 32 inputs at every call and multiplies integers (AVX512-VNNI). ``_records``'
-    layout with the panel's two halves in one byte, ``[panels, K * 16]`` bytes: output ``o``
-    in the low nibble, ``16 + o`` in the high one; ``group_params [panels, K / GROUP, 2,
-    32]`` the scales, then the minimums, of each group's 32 outputs. Needs ``in % GROUP ==
-    0``."""
+    values, exactly) for ``vnni_w4a8_linear``, which quantizes the activations (bfloat16 or
+    float32) to int8 per block of 16 inputs at every call and multiplies integers
+    (AVX512-VNNI). ``_records``' layout with the panel's two halves in one byte, ``[panels,
+    K * 16]`` bytes: output ``o`` in the low nibble, ``16 + o`` in the high one;
+    ``group_params [panels, K / GROUP, 2, 32]`` the scales, then the minimums, of each
+    group's 32 outputs. Needs ``in % GROUP == 0``."""
 
     GROUP = 32
 

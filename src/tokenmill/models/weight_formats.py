@@ -22,9 +22,9 @@ and accuracy costs):
   weights it recovers the file's own 4-bit values). The output head keeps 8 bits.
 - ``NativeVnniW4A8Format`` / ``NativeW4A8Format``: ``--quantization w4a8``: int4's
   weights (float16 scales and minimums) times activations quantized to int8 at every
-  call, multiplied as integers. On a CPU with AVX512-VNNI, bfloat16 or float32 activations
-  in blocks of 32 inputs (``NativeVnniW4A8Weight``); elsewhere float32 activations in
-  blocks of 16 on a CPU with AVX2, FMA and F16C (``NativeW4A8Weight``). No PyTorch form.
+  call per block of 16 inputs, multiplied as integers: bfloat16 or float32 activations on
+  a CPU with AVX512-VNNI (``NativeVnniW4A8Weight``), float32 elsewhere on a CPU with AVX2,
+  FMA and F16C (``NativeW4A8Weight``). No PyTorch form.
   The output head keeps 8-bit weights: w8a8's on VNNI, else int8 with float32 activations
   (native where the CPU has that kernel).
 - ``NativeW8A8Format``: ``--quantization w8a8`` (AVX512-VNNI): int8's weights times
@@ -364,8 +364,11 @@ def _integer_activations_format(dtype: torch.dtype, quantization: str,
         return vnni(kernels, dtype)
     if quantization == "w4a8" and NativeW4A8Format.supports(dtype, kernels):
         return NativeW4A8Format(kernels)
-    if quantization == "w4a8" and dtype != torch.float32 and NativeW4A8Format.supports(
-            torch.float32, kernels):
+    if NativeW8A8Format.supports(torch.float32, kernels):  # the dtype is what is wrong
+        raise InvalidParameterError(f"--quantization {quantization} takes bfloat16 or float32 "
+                                    "activations: use --dtype auto, bfloat16 or float32",
+                                    "quantization")
+    if quantization == "w4a8" and NativeW4A8Format.supports(torch.float32, kernels):
         raise InvalidParameterError("--quantization w4a8 takes float32 activations on a CPU "
                                     "without AVX512-VNNI: use --dtype auto or float32",
                                     "quantization")
