@@ -13,6 +13,8 @@ says the kernel it needs is not in this build.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tokenmill.kernels.native import NativeKernels
@@ -51,7 +53,43 @@ class NativeWeight:
         return self.linear(x, self.packed, self.out_features, self.bias, residual)
 
 
-class NativeInt8Weight:
+class ScaledWeight:
+    """The call of the kernels that take one tensor of scales beside the packed weight
+    (``linear(x, packed, scales, out_features, bias, residual)``); subclasses set them."""
+
+    linear: Callable[..., torch.Tensor]
+    packed: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.packed, self.scales, self.out_features, self.bias, None)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.packed, self.scales, self.out_features, self.bias, residual)
+
+
+class GroupParamsWeight:
+    """The call of the w4a8 kernels: ``linear(x, packed, group_params, out_features, bias,
+    residual)``, per group the scales and minimums in one tensor; subclasses set them."""
+
+    linear: Callable[..., torch.Tensor]
+    packed: torch.Tensor
+    group_params: torch.Tensor
+    out_features: int
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.packed, self.group_params, self.out_features, self.bias,
+                           None)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.packed, self.group_params, self.out_features, self.bias,
+                           residual)
+
+
+class NativeInt8Weight(ScaledWeight):
     """int8 weights with one float32 scale per output row (``quantize_int8_rows``) for the
     int8 kernel of the weight's dtype: ``int8_linear`` (bfloat16 activations) or
     ``int8_f32_linear`` (float32)."""
@@ -65,14 +103,8 @@ class NativeInt8Weight:
         self.packed = ops.int8_pack_weight(q)
         self.bias = bias
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.packed, self.scales, self.out_features, self.bias, None)
 
-    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.packed, self.scales, self.out_features, self.bias, residual)
-
-
-class NativeInt8GroupWeight:
+class NativeInt8GroupWeight(ScaledWeight):
     """int8 weights with one float32 scale per ``group`` inputs of a row, ``w = q * scale``:
     ``groups`` is ``(q [out, in] int8, scales [out, in / group] float32)``, a GGUF file's own
     blocks (``gguf_blocks.FileRows.int8_groups``: Q8_0 and Q5_0 in groups of 32, Q6_K and
@@ -101,12 +133,6 @@ class NativeInt8GroupWeight:
         self.scales = group_panels(scales, panel_outputs(weight.dtype))
         self.out_features = weight.shape[0]
         self.bias = bias
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.packed, self.scales, self.out_features, self.bias, None)
-
-    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.packed, self.scales, self.out_features, self.bias, residual)
 
 
 class NativeInt4Weight:
@@ -172,7 +198,7 @@ class NativeInt4PlanesWeight:
         return self.inner.add(x.repeat(1, self.repeats), residual)
 
 
-class NativeW4A8Weight:
+class NativeW4A8Weight(GroupParamsWeight):
     """4-bit weights in Q4_1's form with float16 scales and minimums (a Q4_1 file's own
     values, exactly) for ``w4a8_linear``, which quantizes the float32 activations to int8
     per block of 16 inputs at every call and multiplies integers (AVX2). Panels of 16
@@ -196,14 +222,6 @@ class NativeW4A8Weight:
         self.out_features = out_features
         self.bias = bias
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.packed, self.group_params, self.out_features, self.bias,
-                           None)
-
-    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.packed, self.group_params, self.out_features, self.bias,
-                           residual)
-
 
 VNNI_PANEL = 32  # outputs per panel of the VNNI kernels
 
@@ -217,7 +235,7 @@ def _records(q: torch.Tensor) -> torch.Tensor:
     return q.view(-1, 2, 16, q.shape[1] // 4, 4).permute(0, 3, 1, 2, 4)
 
 
-class NativeW8A8Weight:
+class NativeW8A8Weight(ScaledWeight):
     """int8 weights with one float32 scale per output row (``quantize_int8_rows``) for
     ``vnni_w8a8_linear``, which quantizes the activations (bfloat16 or float32) to int8 per
     block of 32 inputs at every call and multiplies integers (AVX512-VNNI). Stored as
@@ -238,14 +256,8 @@ class NativeW8A8Weight:
         self.out_features = out_features
         self.bias = bias
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.packed, self.scales, self.out_features, self.bias, None)
 
-    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.packed, self.scales, self.out_features, self.bias, residual)
-
-
-class NativeVnniW4A8Weight:
+class NativeVnniW4A8Weight(GroupParamsWeight):
     """4-bit weights in Q4_1's form with float16 scales and minimums (a Q4_1 file's own
     values, exactly) for ``vnni_w4a8_linear``, which quantizes the activations (bfloat16 or
     float32) to int8 per block of 16 inputs at every call and multiplies integers
@@ -268,11 +280,3 @@ class NativeVnniW4A8Weight:
                                          group_panels(mins, VNNI_PANEL)), dim=2).contiguous()
         self.out_features = out_features
         self.bias = bias
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.packed, self.group_params, self.out_features, self.bias,
-                           None)
-
-    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.packed, self.group_params, self.out_features, self.bias,
-                           residual)
