@@ -42,6 +42,7 @@
 #include <torch/library.h>
 
 #include "amx_tiles.h"
+#include "avx512_lanes.h"
 #include "dtype_conversion.h"
 #include "linear_epilogue.h"
 
@@ -58,6 +59,10 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 
 namespace {
+
+using tokenmill::first_lanes;
+using tokenmill::load_bf16;
+using tokenmill::round_to_bf16;
 
 constexpr int64_t kPanel = 32;   // outputs per panel
 constexpr int64_t kMaxRows = 12;  // the largest of the weight kinds' kMaxRows (tile arrays)
@@ -275,21 +280,6 @@ inline void panel_kernel(const uint16_t* x, int64_t x_stride, int64_t k,
   }
 }
 
-// float32 lanes -> bfloat16, round to nearest even (NaN kept), 16 at a time.
-inline __m256i round_to_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
-
-inline __m512 load_bf16(const uint16_t* src, __mmask16 mask) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(mask, src);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 // What one call computes besides the panels: the rows, the output's extras, where it goes.
 struct Operands {
   const uint16_t* x;
@@ -347,7 +337,7 @@ class HalfPanelOutput {
   HalfPanelOutput(const Operands& op, int64_t p, int h) : op_(op), col_(p * kPanel + 16 * h) {
     if (empty()) return;
     const int64_t width = std::min<int64_t>(16, op.n - col_);
-    mask_ = static_cast<__mmask16>((1u << width) - 1u);
+    mask_ = first_lanes(width);
     scale_ = op.scales ? _mm512_maskz_loadu_ps(mask_, op.scales + col_) : _mm512_set1_ps(1.f);
     bias_ = op.bias ? load_bf16(op.bias + col_, mask_) : _mm512_setzero_ps();
   }

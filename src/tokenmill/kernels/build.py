@@ -30,8 +30,8 @@ SOURCES = tuple(Path(__file__).with_name(name)
                              "argmax_rows.cpp", "sample_rows.cpp",
                              "logprob_rows.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name)
-                for name in ("dtype_conversion.h", "avx2_lanes.h", "linear_epilogue.h",
-                             "amx_tiles.h"))
+                for name in ("dtype_conversion.h", "avx2_lanes.h", "avx512_lanes.h",
+                             "linear_epilogue.h", "amx_tiles.h"))
 # Fast math: vectorized exp and reassociated sums. (The bfloat16 rounding tests NaN on the
 # bits, so a NaN still comes out a NaN.)
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
@@ -59,7 +59,7 @@ def load_library() -> bool:
             torch.ops.load_library(library)
         else:
             logger.info("compiling the native CPU kernels for this CPU, once (later starts "
-                        "load the build): usually half a minute to a minute on 2 cores")
+                        "load the build): about a minute on 2 cores")
             start = time.monotonic()
             os.makedirs(build_dir, exist_ok=True)
             cpp_extension.load(name=name, sources=[str(s) for s in SOURCES],

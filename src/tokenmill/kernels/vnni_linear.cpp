@@ -42,6 +42,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "avx512_lanes.h"
 #include "linear_epilogue.h"
 
 #include <immintrin.h>
@@ -60,38 +61,30 @@
 
 namespace {
 
+using tokenmill::first_lanes;
+using tokenmill::load_bf16;
+using tokenmill::round_to_bf16;
+
 constexpr int64_t kPanel = 32;  // outputs per panel
 constexpr int64_t kGroup = 32;  // inputs per w4a8 weight scale and minimum; K's multiple
 constexpr int kMaxRows = 6;  // the largest of the weight kinds' kMaxRows
 
 int64_t panels_for(int64_t n) { return (n + kPanel - 1) / kPanel; }
 
-// The 16 float32 values at src (bfloat16 or float32); lanes past `count` read as 0.
-inline __m512 load_floats(const uint16_t* src, int count) {
-  const __mmask16 mask = count >= 16 ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
-  const __m256i bits = _mm256_maskz_loadu_epi16(mask, src);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+// The first `count` of 16 float32 values at src (bfloat16 or float32); 0 past them.
+inline __m512 load_floats(const uint16_t* src, int64_t count) {
+  return load_bf16(src, first_lanes(count));
 }
-inline __m512 load_floats(const float* src, int count) {
-  const __mmask16 mask = count >= 16 ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
-  return _mm512_maskz_loadu_ps(mask, src);
+inline __m512 load_floats(const float* src, int64_t count) {
+  return _mm512_maskz_loadu_ps(first_lanes(count), src);
 }
 
-// v rounded to bfloat16 (nearest even; NaN stays NaN) and stored to `count` lanes of dst,
-// or stored as float32.
-inline void store_floats(uint16_t* dst, __m512 v, int count) {
-  const __mmask16 mask = count >= 16 ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(
-      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
-  _mm256_mask_storeu_epi16(dst, mask, _mm512_cvtepi32_epi16(rounded));
+// v's first `count` lanes to dst, rounded to bfloat16 or as float32.
+inline void store_floats(uint16_t* dst, __m512 v, int64_t count) {
+  _mm256_mask_storeu_epi16(dst, first_lanes(count), round_to_bf16(v));
 }
-inline void store_floats(float* dst, __m512 v, int count) {
-  const __mmask16 mask = count >= 16 ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
-  _mm512_mask_storeu_ps(dst, mask, v);
+inline void store_floats(float* dst, __m512 v, int64_t count) {
+  _mm512_mask_storeu_ps(dst, first_lanes(count), v);
 }
 
 // Whether v is neither NaN nor an infinity, read off its bits (fast math would fold
@@ -281,7 +274,7 @@ void rows_times_panel(const QuantizedRows& xr, int64_t row, const uint8_t* panel
   for (int h = 0; h < 2; ++h) {
     const int64_t col = p * kPanel + 16 * h;
     if (col >= o.n) break;
-    const int width = static_cast<int>(std::min<int64_t>(16, o.n - col));
+    const int64_t width = std::min<int64_t>(16, o.n - col);
     const __m512 bias = o.bias ? load_floats(o.bias + col, width) : _mm512_setzero_ps();
     for (int r = 0; r < ROWS; ++r) {
       __m512 v = acc[r][h];
