@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "avx512_lanes.h"
 #include "dtype_conversion.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -179,10 +180,18 @@ inline __m256 load8(const at::BFloat16* p) {
 
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 
+// Rounded to nearest even as from_float, NaN kept, in registers: a scalar loop over the
+// lanes here made GCC keep the value passes' accumulators in memory.
 inline void store8(at::BFloat16* p, __m256 v) {
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, v);
-  for (int i = 0; i < 8; ++i) p[i] = from_float<at::BFloat16>(lanes[i]);
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(rounded),
+                                    _mm256_extracti128_si256(rounded, 1)));
 }
 
 // Lane j = the sum of the 8 lanes of v[j].
@@ -221,6 +230,72 @@ TaskKeys task_keys(const DecodeOperands<T>& op, int64_t task, std::vector<int64_
   return {b, kv_begin, len, padded};
 }
 
+// The next task's K and V rows (every KV head of it), requested into L2 a few cache lines
+// at a time while the current task computes, so that memory streams during its
+// arithmetic rather than only while its first KV head waits for its own rows.
+// ``reset`` aims the requests at a task (len 0: none) and spreads them over ``calls``
+// calls of ``request``.
+template <typename T>
+class NextTaskRows {
+ public:
+  NextTaskRows(const DecodeOperands<T>& op, int64_t width)
+      : k_(reinterpret_cast<const char*>(op.k)), v_(reinterpret_cast<const char*>(op.v)),
+        lines_per_row_((width * static_cast<int64_t>(sizeof(T)) + 63) / 64) {}
+
+  void reset(const int64_t* offsets, int64_t len, int64_t calls) {
+    offsets_ = offsets;
+    len_ = len;
+    token_ = line_ = 0;
+    cache_ = k_;
+    per_call_ = (2 * len * lines_per_row_ + calls - 1) / std::max<int64_t>(calls, 1);
+  }
+
+  inline void request() {
+    for (int64_t i = 0; i < per_call_ && token_ < len_; ++i) {
+      _mm_prefetch(cache_ + offsets_[token_] * static_cast<int64_t>(sizeof(T)) + 64 * line_,
+                   _MM_HINT_T1);
+      if (++line_ < lines_per_row_) continue;
+      line_ = 0;
+      if (++token_ == len_ && cache_ == k_) {
+        cache_ = v_;
+        token_ = 0;
+      }
+    }
+  }
+
+ private:
+  const char* k_;
+  const char* v_;
+  int64_t lines_per_row_;
+  const int64_t* offsets_ = nullptr;
+  int64_t len_ = 0, token_ = 0, line_ = 0, per_call_ = 0;
+  const char* cache_ = nullptr;
+};
+
+// Runs body(task, offsets, ahead, requested) for the tasks [begin, end) in order (offsets:
+// the task's rows, as task_keys), with ahead aimed at the next task's rows; requested:
+// whether the previous task requested this one's (every task but the first). The body calls
+// ahead.request() calls_per_tile times per key tile and value_passes times per value row,
+// for each of its KV heads: the next task's rows are requested over the whole task.
+template <typename T, typename Body>
+void tasks_in_order(const DecodeOperands<T>& op, int64_t begin, int64_t end, int64_t width,
+                    int64_t calls_per_tile, int64_t value_passes, Body body) {
+  std::vector<int64_t> offsets, next_offsets;
+  NextTaskRows<T> ahead(op, width);
+  TaskKeys task = task_keys(op, begin, offsets);
+  for (int64_t index = begin; index < end; ++index) {
+    const bool requested = index > begin;
+    const TaskKeys next =
+        index + 1 < end ? task_keys(op, index + 1, next_offsets) : TaskKeys{0, 0, 0, 0};
+    ahead.reset(next_offsets.data(), next.len,
+                op.heads_per_task *
+                    (calls_per_tile * task.padded / kKeys + value_passes * task.len));
+    body(task, offsets.data(), ahead, requested);
+    std::swap(offsets, next_offsets);
+    task = next;
+  }
+}
+
 // queries[g * head_dim + d] = the scaled float32 query of head h0 + g of sequence b.
 template <typename T>
 void scaled_queries(const DecodeOperands<T>& op, int64_t b, int64_t h0, int64_t head_dim,
@@ -257,7 +332,8 @@ struct AddValues8 {
 template <typename T, int NH>
 static void run(const T* values, const int64_t* offsets, int64_t len,
                 const float* scores, int64_t score_stride, const float* inv_totals,
-                T* out, int64_t out_stride, bool prefetch, int64_t width) {
+                T* out, int64_t out_stride, bool prefetch, int64_t width,
+                NextTaskRows<T>& ahead) {
   __m256 acc[NH][kValueChunks];
   for (int g = 0; g < NH; ++g) {
     for (int c = 0; c < kValueChunks; ++c) acc[g][c] = _mm256_setzero_ps();
@@ -269,6 +345,7 @@ static void run(const T* values, const int64_t* offsets, int64_t len,
   }
   for (int64_t t = 0; t < len; ++t) {
     if (prefetch && t + kRowsAhead < len) prefetch_row(values + offsets[t + kRowsAhead], width);
+    ahead.request();
     const T* row = values + offsets[t];
     __m256 w[NH];
     for (int g = 0; g < NH; ++g) w[g] = _mm256_broadcast_ss(scores + g * score_stride + t);
@@ -291,24 +368,25 @@ static void run(const T* values, const int64_t* offsets, int64_t len,
 // of the task's first KV head requests the rows of all its KV heads ahead.
 template <typename Adder, int64_t DIMS, int64_t HEAD_DIM, typename T>
 void add_value_passes(const DecodeOperands<T>& op, const TaskKeys& task, int64_t kv,
-                      const float* scores, const float* inv_totals, const int64_t* offsets) {
+                      const float* scores, const float* inv_totals, const int64_t* offsets,
+                      bool first, NextTaskRows<T>& ahead) {
   const int64_t group = op.group, h0 = kv * group, width = op.heads_per_task * HEAD_DIM;
   const T* values = op.v + (kv - task.kv_begin) * HEAD_DIM;
   for (int64_t dim0 = 0; dim0 < HEAD_DIM; dim0 += DIMS) {
     for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
       const int64_t heads = std::min(kHeadsAtOnce, group - g0);
-      const bool prefetch = kv == task.kv_begin && dim0 == 0 && g0 == 0;
+      const bool prefetch = first && dim0 == 0 && g0 == 0;
       const float* s = scores + g0 * task.padded;
       T* o = op.out + (task.b * op.num_heads + h0 + g0) * HEAD_DIM + dim0;
       if (heads == 3) {
         Adder::template run<T, 3>(values + dim0, offsets, task.len, s, task.padded,
-                                  inv_totals + g0, o, HEAD_DIM, prefetch, width);
+                                  inv_totals + g0, o, HEAD_DIM, prefetch, width, ahead);
       } else if (heads == 2) {
         Adder::template run<T, 2>(values + dim0, offsets, task.len, s, task.padded,
-                                  inv_totals + g0, o, HEAD_DIM, prefetch, width);
+                                  inv_totals + g0, o, HEAD_DIM, prefetch, width, ahead);
       } else {
         Adder::template run<T, 1>(values + dim0, offsets, task.len, s, task.padded,
-                                  inv_totals + g0, o, HEAD_DIM, prefetch, width);
+                                  inv_totals + g0, o, HEAD_DIM, prefetch, width, ahead);
       }
     }
   }
@@ -330,22 +408,24 @@ void decode_attention_avx2(const DecodeOperands<T>& op) {
   const int64_t group = op.group, heads_per_task = op.heads_per_task;
   const int64_t width = heads_per_task * HEAD_DIM;  // elements of a token's K or V row
 
+  const int64_t head_groups = (group + kHeadsAtOnce - 1) / kHeadsAtOnce;
   at::parallel_for(0, op.num_seqs * op.tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, queries(group * HEAD_DIM), inv_totals(group);
-    std::vector<int64_t> offsets;
-    for (int64_t index = begin; index < end; ++index) {
-      const TaskKeys task = task_keys(op, index, offsets);
+    tasks_in_order(op, begin, end, width, 1, HEAD_DIM / (8 * kValueChunks) * head_groups,
+                   [&](const TaskKeys& task, const int64_t* offsets, NextTaskRows<T>& ahead,
+                       bool requested) {
       const int64_t len = task.len, padded = task.padded;
       scores.resize(group * padded);
       for (int64_t kv = task.kv_begin; kv < task.kv_begin + heads_per_task; ++kv) {
         const int64_t head_offset = (kv - task.kv_begin) * HEAD_DIM;
-        const bool first = kv == task.kv_begin;
+        const bool first = !requested && kv == task.kv_begin;
         scaled_queries(op, task.b, kv * group, HEAD_DIM, queries.data());
         // Scores, 8 keys at a time for every query head of the group: the keys' rows come
         // from memory for the task's first KV head (kRowsAhead tokens requested ahead),
         // from L2 for the others, and from L1 for every query head after the first.
-        if (first) prefetch_first_keys(op, task, offsets.data(), width);
+        if (first) prefetch_first_keys(op, task, offsets, width);
         for (int64_t t0 = 0; t0 < padded; t0 += kKeys) {
+          ahead.request();
           const T* keys[kKeys];
           for (int64_t j = 0; j < kKeys; ++j) keys[j] = op.k + offsets[t0 + j] + head_offset;
           if (first) {
@@ -368,9 +448,9 @@ void decode_attention_avx2(const DecodeOperands<T>& op) {
         }
         exp_rows(scores.data(), group, padded, len, inv_totals.data());
         add_value_passes<AddValues8, 8 * kValueChunks, HEAD_DIM>(
-            op, task, kv, scores.data(), inv_totals.data(), offsets.data());
+            op, task, kv, scores.data(), inv_totals.data(), offsets, first, ahead);
       }
-    }
+    });
   });
 }
 
@@ -385,10 +465,9 @@ inline __m512 load16(const at::BFloat16* p) {
 
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 
+// (In registers, as store8.)
 inline void store16(at::BFloat16* p, __m512 v) {
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, v);
-  for (int i = 0; i < 16; ++i) p[i] = from_float<at::BFloat16>(lanes[i]);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), tokenmill::round_to_bf16(v));
 }
 
 inline __m256 add_halves(__m512 v) {
@@ -429,7 +508,8 @@ struct AddValues16 {
 template <typename T, int NH>
 static void run(const T* values, const int64_t* offsets, int64_t len,
                 const float* scores, int64_t score_stride, const float* inv_totals,
-                T* out, int64_t out_stride, bool prefetch, int64_t width) {
+                T* out, int64_t out_stride, bool prefetch, int64_t width,
+                NextTaskRows<T>& ahead) {
   constexpr int kChunks = kDimsPerPass / 16;
   __m512 acc[NH][kChunks];
   for (int g = 0; g < NH; ++g) {
@@ -442,6 +522,7 @@ static void run(const T* values, const int64_t* offsets, int64_t len,
   }
   for (int64_t t = 0; t < len; ++t) {
     if (prefetch && t + kRowsAhead < len) prefetch_row(values + offsets[t + kRowsAhead], width);
+    ahead.request();
     const T* row = values + offsets[t];
     __m512 w[NH];
     for (int g = 0; g < NH; ++g) w[g] = _mm512_set1_ps(scores[g * score_stride + t]);
@@ -467,22 +548,25 @@ void decode_attention_avx512(const DecodeOperands<T>& op) {
   const int64_t group = op.group, heads_per_task = op.heads_per_task;
   const int64_t width = heads_per_task * HEAD_DIM;  // elements of a token's K or V row
 
+  const int64_t head_groups = (group + kHeadsAtOnce - 1) / kHeadsAtOnce;
   at::parallel_for(0, op.num_seqs * op.tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, queries(group * HEAD_DIM), inv_totals(group);
-    std::vector<int64_t> offsets;
-    for (int64_t index = begin; index < end; ++index) {
-      const TaskKeys task = task_keys(op, index, offsets);
+    tasks_in_order(op, begin, end, width, head_groups, HEAD_DIM / kDimsPerPass * head_groups,
+                   [&](const TaskKeys& task, const int64_t* offsets, NextTaskRows<T>& ahead,
+                       bool requested) {
       const int64_t len = task.len, padded = task.padded;
       scores.resize(group * padded);
       for (int64_t kv = task.kv_begin; kv < task.kv_begin + heads_per_task; ++kv) {
         const int64_t head_offset = (kv - task.kv_begin) * HEAD_DIM;
         scaled_queries(op, task.b, kv * group, HEAD_DIM, queries.data());
-        if (kv == task.kv_begin) prefetch_first_keys(op, task, offsets.data(), width);
+        const bool first = !requested && kv == task.kv_begin;
+        if (first) prefetch_first_keys(op, task, offsets, width);
         for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
           const int64_t heads = std::min(kHeadsAtOnce, group - g0);
-          const bool prefetch = kv == task.kv_begin && g0 == 0;
+          const bool prefetch = first && g0 == 0;
           const float* q = queries.data() + g0 * HEAD_DIM;
           for (int64_t t0 = 0; t0 < padded; t0 += kKeys) {
+            ahead.request();
             const T* keys[kKeys];
             for (int64_t j = 0; j < kKeys; ++j) keys[j] = op.k + offsets[t0 + j] + head_offset;
             if (prefetch) {
@@ -502,9 +586,9 @@ void decode_attention_avx512(const DecodeOperands<T>& op) {
         }
         exp_rows(scores.data(), group, padded, len, inv_totals.data());
         add_value_passes<AddValues16, kDimsPerPass, HEAD_DIM>(
-            op, task, kv, scores.data(), inv_totals.data(), offsets.data());
+            op, task, kv, scores.data(), inv_totals.data(), offsets, first, ahead);
       }
-    }
+    });
   });
 }
 
