@@ -45,6 +45,7 @@
 #include "avx512_lanes.h"
 #include "dtype_conversion.h"
 #include "linear_epilogue.h"
+#include "thread_batches.h"
 
 #include <immintrin.h>
 
@@ -824,7 +825,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const float* sc
   // grouped kinds with several chunks: each panel widened once (Widened)
   constexpr bool kWidens = W::kGroup > 0;
   const bool widen = kWidens && chunks > 1;
-  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_batches(packed.size(0), [&](int64_t begin, int64_t end,
+                                                  int64_t following) {
     at::Tensor scratch_tensor;
     uint16_t* scratch = nullptr;
     if constexpr (kWidens) {
@@ -838,7 +840,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const float* sc
     }
     for (int64_t p = begin; p < end; ++p) {
       const auto* panel = weights + p * panel_size;
-      const auto* next = p + 1 < end ? panel + panel_size : nullptr;
+      const auto* next = p + 1 < end       ? panel + panel_size
+                         : following >= 0 ? weights + following * panel_size
+                                          : nullptr;
       if constexpr (kWidens) {
         if (widen) {
           widen_panel<W>(panel, packed.size(1), scratch);

@@ -23,6 +23,7 @@
 
 #include "avx512_lanes.h"
 #include "dtype_conversion.h"
+#include "thread_batches.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -273,20 +274,22 @@ class NextTaskRows {
 };
 
 // Runs body(task, offsets, ahead, requested) for the tasks [begin, end) in order (offsets:
-// the task's rows, as task_keys), with ahead aimed at the next task's rows; requested:
-// whether the previous task requested this one's (every task but the first). The body calls
+// the task's rows, as task_keys), with ahead aimed at the next task's rows: the next of
+// the range, then ``following`` (a task this thread computes next, or -1); requested:
+// whether a task before it in the range requested its rows. The body calls
 // ahead.request() calls_per_tile times per key tile and value_passes times per value row,
 // for each of its KV heads: the next task's rows are requested over the whole task.
 template <typename T, typename Body>
-void tasks_in_order(const DecodeOperands<T>& op, int64_t begin, int64_t end, int64_t width,
-                    int64_t calls_per_tile, int64_t value_passes, Body body) {
+void tasks_in_order(const DecodeOperands<T>& op, int64_t begin, int64_t end, int64_t following,
+                    int64_t width, int64_t calls_per_tile, int64_t value_passes, Body body) {
   std::vector<int64_t> offsets, next_offsets;
   NextTaskRows<T> ahead(op, width);
   TaskKeys task = task_keys(op, begin, offsets);
   for (int64_t index = begin; index < end; ++index) {
     const bool requested = index > begin;
-    const TaskKeys next =
-        index + 1 < end ? task_keys(op, index + 1, next_offsets) : TaskKeys{0, 0, 0, 0};
+    const int64_t next_index = index + 1 < end ? index + 1 : following;
+    const TaskKeys next = next_index >= 0 ? task_keys(op, next_index, next_offsets)
+                                          : TaskKeys{0, 0, 0, 0};
     ahead.reset(next_offsets.data(), next.len,
                 op.heads_per_task *
                     (calls_per_tile * task.padded / kKeys + value_passes * task.len));
@@ -409,9 +412,11 @@ void decode_attention_avx2(const DecodeOperands<T>& op) {
   const int64_t width = heads_per_task * HEAD_DIM;  // elements of a token's K or V row
 
   const int64_t head_groups = (group + kHeadsAtOnce - 1) / kHeadsAtOnce;
-  at::parallel_for(0, op.num_seqs * op.tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_batches(op.num_seqs * op.tasks_per_seq, [&](int64_t begin, int64_t end,
+                                                                  int64_t following) {
     std::vector<float> scores, queries(group * HEAD_DIM), inv_totals(group);
-    tasks_in_order(op, begin, end, width, 1, HEAD_DIM / (8 * kValueChunks) * head_groups,
+    tasks_in_order(op, begin, end, following, width, 1,
+                   HEAD_DIM / (8 * kValueChunks) * head_groups,
                    [&](const TaskKeys& task, const int64_t* offsets, NextTaskRows<T>& ahead,
                        bool requested) {
       const int64_t len = task.len, padded = task.padded;
@@ -454,7 +459,7 @@ void decode_attention_avx2(const DecodeOperands<T>& op) {
   });
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
@@ -549,9 +554,11 @@ void decode_attention_avx512(const DecodeOperands<T>& op) {
   const int64_t width = heads_per_task * HEAD_DIM;  // elements of a token's K or V row
 
   const int64_t head_groups = (group + kHeadsAtOnce - 1) / kHeadsAtOnce;
-  at::parallel_for(0, op.num_seqs * op.tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_batches(op.num_seqs * op.tasks_per_seq, [&](int64_t begin, int64_t end,
+                                                                  int64_t following) {
     std::vector<float> scores, queries(group * HEAD_DIM), inv_totals(group);
-    tasks_in_order(op, begin, end, width, head_groups, HEAD_DIM / kDimsPerPass * head_groups,
+    tasks_in_order(op, begin, end, following, width, head_groups,
+                   HEAD_DIM / kDimsPerPass * head_groups,
                    [&](const TaskKeys& task, const int64_t* offsets, NextTaskRows<T>& ahead,
                        bool requested) {
       const int64_t len = task.len, padded = task.padded;
@@ -592,7 +599,7 @@ void decode_attention_avx512(const DecodeOperands<T>& op) {
   });
 }
 
-#endif  // AVX-512
+#endif  // AVX-512 F and BW
 
 #endif  // AVX2 and FMA
 
@@ -623,7 +630,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cac
                                       scale, window, out);
 #if defined(__AVX2__) && defined(__FMA__)
     if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
       if (op.head_dim == 64) return decode_attention_avx512<scalar_t, 64>(op);
       if (op.head_dim == 128) return decode_attention_avx512<scalar_t, 128>(op);
       if (op.head_dim == 256) return decode_attention_avx512<scalar_t, 256>(op);

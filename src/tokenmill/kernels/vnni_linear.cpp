@@ -44,6 +44,7 @@
 
 #include "avx512_lanes.h"
 #include "linear_epilogue.h"
+#include "thread_batches.h"
 
 #include <immintrin.h>
 
@@ -340,11 +341,14 @@ void linear(const at::Tensor& x, const at::Tensor& packed, const float* scales,
   const auto* weights = packed.data_ptr<uint8_t>();
   const int64_t panel_bytes = k / 4 * W::kRecordBytes, panel_params = groups * 2 * kPanel;
   const int64_t chunks = (m + W::kMaxRows - 1) / W::kMaxRows;  // of nearly equal sizes
-  at::parallel_for(0, panels_for(n), 1, [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_batches(panels_for(n), [&](int64_t begin, int64_t end,
+                                                 int64_t following) {
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* panel = weights + p * panel_bytes;
-      const char* next =
-          p + 1 < end ? reinterpret_cast<const char*>(panel + panel_bytes) : nullptr;
+      const uint8_t* next_panel = p + 1 < end       ? panel + panel_bytes
+                                  : following >= 0 ? weights + following * panel_bytes
+                                                   : nullptr;
+      const char* next = reinterpret_cast<const char*>(next_panel);
       for (int64_t c = 0, row = 0; c < chunks; ++c) {
         const int64_t rows = (m - row) / (chunks - c);
         kRowsFns<W, T>[rows - 1](xr, row, panel, params ? params + p * panel_params : nullptr,
