@@ -16,11 +16,14 @@
 // (decode_attention_avx2): a KV head at a time, scores for 8 keys at once folded without a
 // horizontal sum per key, and each value row read once for up to 3 query heads. With
 // AVX-512 (decode_attention_avx512) the same plan in 16 lanes, and each key row too is
-// read and widened once for up to 3 query heads.
+// read and widened once for up to 3 query heads. Both take their tasks in batches
+// (thread_batches.h) and, while computing a task, request the next task's K and V rows
+// into L2 (NextTaskRows), so that memory streams during the arithmetic.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "avx2_lanes.h"
 #include "avx512_lanes.h"
 #include "dtype_conversion.h"
 #include "thread_batches.h"
@@ -181,18 +184,10 @@ inline __m256 load8(const at::BFloat16* p) {
 
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 
-// Rounded to nearest even as from_float, NaN kept, in registers: a scalar loop over the
-// lanes here made GCC keep the value passes' accumulators in memory.
+// Rounded in registers: a scalar loop over the lanes here made GCC keep the value
+// passes' accumulators in memory.
 inline void store8(at::BFloat16* p, __m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_srli_epi32(
-      _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                   _mm_packus_epi32(_mm256_castsi256_si128(rounded),
-                                    _mm256_extracti128_si256(rounded, 1)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), tokenmill::round_to_bf16(v));
 }
 
 // Lane j = the sum of the 8 lanes of v[j].
@@ -208,7 +203,8 @@ constexpr int64_t kKeys = 8;          // keys scored at once (one register of sc
 constexpr int64_t kValueChunks = 4;   // registers of a value row added per pass
 constexpr int64_t kHeadsAtOnce = 3;   // query heads sharing each value (AVX-512: key) row read
 // Tokens ahead whose whole K or V rows (every KV head of the task) are requested while
-// the task's first KV head is computed; the others find them in L2.
+// the task's first KV head is computed, for a task whose rows no earlier task requested
+// (the first of a batch); the other KV heads find them in L2.
 constexpr int64_t kRowsAhead = 16;
 
 // One task's keys: its sequence b, first KV head, visible keys (len) and those rounded up
@@ -367,8 +363,9 @@ static void run(const T* values, const int64_t* offsets, int64_t len,
 };
 
 // Values: each pass adds DIMS dimensions for up to kHeadsAtOnce query heads
-// (Adder::run<T, heads>), so that a value row read once serves them all; the first pass
-// of the task's first KV head requests the rows of all its KV heads ahead.
+// (Adder::run<T, heads>), so that a value row read once serves them all; with first (the
+// task's first KV head, its rows not requested by an earlier task) the first pass requests
+// the rows of all its KV heads ahead.
 template <typename Adder, int64_t DIMS, int64_t HEAD_DIM, typename T>
 void add_value_passes(const DecodeOperands<T>& op, const TaskKeys& task, int64_t kv,
                       const float* scores, const float* inv_totals, const int64_t* offsets,
@@ -426,8 +423,8 @@ void decode_attention_avx2(const DecodeOperands<T>& op) {
         const bool first = !requested && kv == task.kv_begin;
         scaled_queries(op, task.b, kv * group, HEAD_DIM, queries.data());
         // Scores, 8 keys at a time for every query head of the group: the keys' rows come
-        // from memory for the task's first KV head (kRowsAhead tokens requested ahead),
-        // from L2 for the others, and from L1 for every query head after the first.
+        // from L2 (requested by the previous task, or kRowsAhead tokens ahead by the first
+        // KV head), and from L1 for every query head after the first.
         if (first) prefetch_first_keys(op, task, offsets, width);
         for (int64_t t0 = 0; t0 < padded; t0 += kKeys) {
           ahead.request();
