@@ -108,7 +108,7 @@ def test_capabilities_match_the_cpu_flags(native):
     assert caps.f32_linear == ({"avx2", "fma"} <= flags and "avx512f" not in flags)
     assert caps.w4a8_linear == ({"avx2", "fma", "f16c"} <= flags)
     assert caps.vnni_linear == ({"avx512_vnni", "avx512bw", "f16c"} <= flags)
-    assert caps.prefill_attention_head_dims == (frozenset({64, 128}) if caps.bf16_linear
+    assert caps.prefill_attention_head_dims == (frozenset({64, 128, 256}) if caps.bf16_linear
                                                 else frozenset())
     assert caps.amx == ("amx_bf16" in flags)
     # granted by the operating system on every Linux since 5.16

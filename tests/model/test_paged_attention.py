@@ -220,7 +220,7 @@ PREFILL_CASES = {
 }
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("case", list(PREFILL_CASES))
 def test_native_prefill_kernel_equals_naive(case, head_dim, native):
     """bfloat16 (the kernel's dtype): within the rounding of bfloat16 inputs and output."""

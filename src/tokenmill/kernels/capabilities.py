@@ -16,7 +16,7 @@ import torch
 from tokenmill.hardware import cpu_has_amx
 
 # The head sizes paged_prefill_attention.cpp computes.
-PREFILL_HEAD_DIMS = frozenset({64, 128})
+PREFILL_HEAD_DIMS = frozenset({64, 128, 256})
 
 
 @dataclass(frozen=True, slots=True)
