@@ -21,7 +21,7 @@ or prefill attention over its own sub-plan, as ``AttentionMetadata.prefill_lens`
   become G query rows of that head, ``q[Bd, kv_heads, G, D]`` against ``k[Bd, kv_heads, L, D]``.
 - *prefill* sequences (the first ``prefill_lens`` new tokens: a prompt or a chunk of
   one; by default a sequence's several new tokens): the native kernel (bfloat16 on
-  AVX512-BF16 without AMX, heads of 64 or 128) takes all of them in ONE call over the
+  AVX512-BF16 without AMX, heads of 64, 128 or 256) takes all of them in ONE call over the
   blocks in place; SDPA one call each. Causal with an offset: new token ``i`` (position
   ``ctx + i``) sees keys ``0 .. ctx + i``::
 
