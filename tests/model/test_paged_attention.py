@@ -246,6 +246,40 @@ def test_native_prefill_kernel_equals_naive(case, head_dim, native):
     torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (8, 1)])
+def test_native_prefill_kernel_rows_do_not_depend_on_the_chunking(heads, kv_heads, native):
+    """One 45-token prompt attended at once, and in chunks cut at other places (tiles of
+    16 queries then start elsewhere, and a tile's lanes hold other rows): every row is the
+    same bits; with 1 to 8 query heads per KV head (up to 8 registers of rows a tile), each
+    within bfloat16's rounding of exact attention."""
+    if not native.capabilities.prefill_attention(torch.bfloat16, 64):
+        pytest.skip("this CPU has no AVX512-BF16: prefills take SDPA")
+    op = native.prefill_attention(torch.bfloat16, 64)
+    gen = torch.Generator().manual_seed(heads)
+    length, block_size = 45, 8
+    blocks = torch.randperm(12, generator=gen)[: -(-length // block_size)].to(torch.int32)
+    cache = torch.randn(2, 12, block_size, kv_heads, 64, generator=gen).bfloat16()
+    q = torch.randn(length, heads, 64, generator=gen).bfloat16()
+
+    def attend(chunks: list[int]) -> torch.Tensor:
+        out = torch.zeros(length, heads * 64, dtype=torch.bfloat16)
+        start = 0
+        for end in chunks:
+            op(q, cache[0], cache[1], blocks.view(1, -1),
+               torch.tensor([[start, end]], dtype=torch.int32),
+               torch.tensor([end], dtype=torch.int32), 0.125, out)
+            start = end
+        return out
+
+    whole = attend([length])
+    for chunks in ([3, 20, 45], [17, 18, 44, 45], [1, 2, 3, 30, 45]):
+        assert torch.equal(attend(chunks), whole), chunks
+    slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:length]
+    k, v = (cache[i].reshape(-1, kv_heads, 64)[slots] for i in (0, 1))
+    expected = naive_attention(q, k, v, 0)
+    torch.testing.assert_close(whole.double(), expected, atol=1e-2, rtol=1e-2)
+
+
 def test_native_prefill_kernel_rejects_bad_input(native):
     if not native.capabilities.prefill_attention(torch.bfloat16, 64):
         pytest.skip("this CPU has no AVX512-BF16: prefills take SDPA")
