@@ -83,6 +83,8 @@ alignas(64) const uint16_t kZeroRow[kMaxHeadDim] = {};
 struct TileBuffers {
   std::vector<const uint16_t*> keys, values;  // each key's row in either cache, padded
   std::vector<__m512i> queries;  // [register][pair]: the rows' q pairs
+  std::vector<__m512i> last_key;  // [register]: each lane's last key
+  std::vector<__m512> peaks;      // [register]: each lane's largest score
   std::vector<__m512> scores;    // [register][key]; then [register][key pair]: weight pairs
   std::vector<int32_t> pairs;    // [key pair][dimension]: value pairs
   std::vector<float> inv_totals;  // [register * 16 + lane]
@@ -147,7 +149,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
 
       // Each register's rows: their query's last key (past a padding lane's: it sees all)
       // and their q pairs, gathered.
-      std::vector<__m512i> last_key(regs);
+      buf.last_key.resize(regs);
       buf.queries.resize(regs * kPairs);
       for (int64_t reg = 0; reg < regs; ++reg) {
         alignas(64) int32_t last[kLanes], word[kLanes];
@@ -159,7 +161,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
           word[lane] = static_cast<int32_t>(((start + r0 + r) * q_token_stride +
                                              (kv * group + g) * q_head_stride) / 2);
         }
-        last_key[reg] = _mm512_load_si512(last);
+        buf.last_key[reg] = _mm512_load_si512(last);
         const __m512i index = _mm512_load_si512(word);
         for (int64_t p = 0; p < kPairs; ++p) {
           buf.queries[reg * kPairs + p] = _mm512_i32gather_epi32(
@@ -167,8 +169,9 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
         }
       }
 
-      // Scores, 16 keys at a time, their rows copied together first.
+      // Scores, 16 keys at a time, their rows copied together first; each lane's maximum.
       buf.scores.resize(regs * padded);
+      buf.peaks.assign(regs, _mm512_set1_ps(kUnseen));
       alignas(64) uint16_t key_rows[kKeys][HEAD_DIM];
       for (int64_t t0 = 0; t0 < padded; t0 += kKeys) {
         for (int64_t k = 0; k < kKeys; ++k) {
@@ -187,11 +190,14 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
             }
           }
           __m512* dst = buf.scores.data() + reg * padded + t0;
+          __m512 peak = buf.peaks[reg];
           for (int64_t k = 0; k < kKeys; ++k) {
             const __mmask16 seen = _mm512_cmpge_epi32_mask(
-                last_key[reg], _mm512_set1_epi32(static_cast<int>(t0 + k)));
+                buf.last_key[reg], _mm512_set1_epi32(static_cast<int>(t0 + k)));
             dst[k] = _mm512_mask_mul_ps(_mm512_set1_ps(kUnseen), seen, acc[k], fscale);
+            peak = _mm512_max_ps(peak, dst[k]);
           }
+          buf.peaks[reg] = peak;
         }
       }
 
@@ -200,8 +206,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
       buf.inv_totals.resize(regs * kLanes);
       for (int64_t reg = 0; reg < regs; ++reg) {
         __m512* row_scores = buf.scores.data() + reg * padded;
-        __m512 peak = row_scores[0];
-        for (int64_t t = 1; t < padded; ++t) peak = _mm512_max_ps(peak, row_scores[t]);
+        const __m512 peak = buf.peaks[reg];
         __m512 total = _mm512_setzero_ps();
         for (int64_t t = 0; t < padded; t += 2) {
           const __m512i even =
