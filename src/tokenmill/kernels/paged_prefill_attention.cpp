@@ -222,7 +222,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
       }
 
       // Value pairs: word d of pair j = (V[2j, d], V[2j + 1, d]).
-      buf.pairs.resize(padded / 2 * kPairs * 2);
+      buf.pairs.resize(padded / 2 * HEAD_DIM);
       const __m512i interleave_lo = _mm512_set_epi16(
           47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
           39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
@@ -239,6 +239,9 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
       }
 
       // Values, 16 dimensions at a time over every key pair; then each lane's output row.
+      const __m512i across = _mm512_mullo_epi32(  // element i of a lane's output: [i][lane]
+          _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+          _mm512_set1_epi32(kLanes));
       for (int64_t reg = 0; reg < regs; ++reg) {
         const __m512* weights = buf.scores.data() + reg * padded;
         const __m512 inv = _mm512_loadu_ps(buf.inv_totals.data() + reg * kLanes);
@@ -257,9 +260,6 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
           for (int64_t i = 0; i < kDims; ++i) {
             _mm512_store_ps(columns[i], _mm512_mul_ps(acc[i], inv));
           }
-          const __m512i across = _mm512_mullo_epi32(
-              _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-              _mm512_set1_epi32(kLanes));
           for (int64_t lane = 0; lane < live; ++lane) {
             const int64_t row = reg * kLanes + lane, r = row / group, g = row % group;
             uint16_t* dst = out_ptr + (start + r0 + r) * out_stride +
