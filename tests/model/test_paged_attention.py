@@ -302,3 +302,6 @@ def test_native_prefill_kernel_rejects_bad_input(native):
     with pytest.raises(RuntimeError, match="head_dim"):
         op(q[..., :32], cache[0][..., :32].contiguous(), cache[1][..., :32].contiguous(),
            tables, ranges, lens, 1.0, out[:, : HEADS * 32])
+    odd_rows = torch.zeros(5, HEADS * 64 + 1, dtype=bf16)[:, 1:].view(5, HEADS, 64)
+    with pytest.raises(RuntimeError, match="strides must be even"):  # read in pairs
+        op(odd_rows, cache[0], cache[1], tables, ranges, lens, 1.0, out)
