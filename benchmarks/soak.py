@@ -63,6 +63,17 @@ BAD_REQUESTS = [
 
 
 @dataclass
+class Abandoned:
+    """A request the client gave up on, by the ``x-request-id`` it sent."""
+
+    request_id: str
+    n: int
+    prompt_len: int
+    max_tokens: int
+    tokens_seen: int = 0  # what its client received before leaving
+
+
+@dataclass
 class Tally:
     """What the clients saw, summed over the run."""
 
@@ -70,13 +81,13 @@ class Tally:
     finished_choices: int = 0
     finished_prompt_tokens: int = 0  # per choice, as the engine counts them
     finished_completion_tokens: int = 0
-    aborted_requests: int = 0
+    aborted_requests: int = 0  # requests with at least one choice aborted
     aborted_choices: int = 0
     aborted_prompt_tokens: int = 0  # per choice
     aborted_tokens_seen: int = 0
-    # non-streaming requests the client gave up on: (x-request-id, n, prompt length,
-    # max_tokens); the server's log tells how each ended (see ``settle``)
-    abandoned_plain: list[tuple[str, int, int, int]] = field(default_factory=list)
+    # requests the client gave up on: the server's log tells how each choice ended
+    # (see ``settle``)
+    abandoned_requests: list[Abandoned] = field(default_factory=list)
     bad_requests: int = 0
     errors: list[str] = field(default_factory=list)
 
@@ -84,25 +95,25 @@ class Tally:
         if len(self.errors) < 20:
             self.errors.append(message)
 
-    def abandoned(self, n: int, prompt_len: int, tokens_seen: int = 0) -> None:
-        self.aborted_requests += 1
-        self.aborted_choices += n
-        self.aborted_prompt_tokens += prompt_len * n
-        self.aborted_tokens_seen += tokens_seen
-
     def settle(self, server_log: str) -> None:
-        """Count the non-streaming requests the client gave up on, from the server's log:
-        aborted where it logged the disconnect, finished (``max_tokens`` per choice, as
-        ``ignore_eos`` asks) where it admitted the request and completed it before noticing,
-        nothing where it never admitted it."""
-        for request_id, n, prompt_len, max_tokens in self.abandoned_plain:
-            if f"request {request_id}: client disconnected; aborted" in server_log:
-                self.abandoned(n, prompt_len)
-            elif f"request {request_id}:" in server_log:
-                self.finished_choices += n
-                self.finished_prompt_tokens += prompt_len * n
-                self.finished_completion_tokens += max_tokens * n
-        self.abandoned_plain.clear()
+        """Count the requests the client gave up on, from the server's log: a choice the
+        server logged as ended by ``abort`` after the client left was aborted; every other
+        choice of an admitted request finished (``max_tokens``, as ``ignore_eos`` asks: the
+        engine got there before it noticed); a request never admitted counts nowhere."""
+        for gone in self.abandoned_requests:
+            if f"request {gone.request_id}:" not in server_log:
+                continue
+            aborted = sum(f"request {gone.request_id}: client disconnected; choice {i} "
+                          f"ended: abort" in server_log for i in range(gone.n))
+            if aborted:
+                self.aborted_requests += 1
+                self.aborted_choices += aborted
+                self.aborted_prompt_tokens += gone.prompt_len * aborted
+                self.aborted_tokens_seen += gone.tokens_seen
+            self.finished_choices += gone.n - aborted
+            self.finished_prompt_tokens += gone.prompt_len * (gone.n - aborted)
+            self.finished_completion_tokens += gone.max_tokens * (gone.n - aborted)
+        self.abandoned_requests.clear()
 
 
 def _token_count(choice: dict) -> int:
@@ -117,7 +128,9 @@ async def stream_request(client: httpx.AsyncClient, body: dict, abort_after: int
     usage_seen = [0] * n
     final_usage = None
     chunks = 0
-    async with client.stream("POST", "/v1/completions", json=body) as r:
+    request_id = f"stream-{uuid.uuid4().hex}"
+    async with client.stream("POST", "/v1/completions", json=body,
+                             headers={"x-request-id": request_id}) as r:
         if r.status_code != 200:
             tally.fail(f"stream: HTTP {r.status_code} {await r.aread()!r}")
             return
@@ -139,7 +152,8 @@ async def stream_request(client: httpx.AsyncClient, body: dict, abort_after: int
                 tally.fail(f"stream: usage {usage_seen[i]} != {counted[i]} tokens received")
             chunks += 1
             if abort_after is not None and chunks >= abort_after:
-                tally.abandoned(n, prompt_len, sum(counted))
+                tally.abandoned_requests.append(
+                    Abandoned(request_id, n, prompt_len, max_tokens, sum(counted)))
                 return  # leaving the block closes the connection
     _check_finished(tally, counted, final_usage, prompt_len, max_tokens, n, "stream")
 
@@ -155,7 +169,7 @@ async def plain_request(client: httpx.AsyncClient, body: dict, abort_after_s: fl
                                                headers={"x-request-id": request_id}),
                                    abort_after_s)
     except asyncio.TimeoutError:
-        tally.abandoned_plain.append((request_id, n, prompt_len, max_tokens))
+        tally.abandoned_requests.append(Abandoned(request_id, n, prompt_len, max_tokens))
         return
     if r.status_code != 200:
         tally.fail(f"plain: HTTP {r.status_code} {r.text[:200]}")

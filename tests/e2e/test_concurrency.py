@@ -42,7 +42,8 @@ def test_client_disconnect_aborts_and_frees_blocks(tiny_server) -> None:
     before = tiny_server.metrics()
     with httpx.stream("POST", tiny_server.base_url + "/v1/completions", json={
             "prompt": "A very long story", "max_tokens": 200, "ignore_eos": True,
-            "stream": True}, timeout=30) as response:
+            "stream": True}, headers={"x-request-id": "left-mid-stream"},
+            timeout=30) as response:
         lines = response.iter_lines()
         received = 0
         while received < 3:
@@ -53,6 +54,8 @@ def test_client_disconnect_aborts_and_frees_blocks(tiny_server) -> None:
     generated = (after["tokenmill_generation_tokens_total"]
                  - before["tokenmill_generation_tokens_total"])
     assert 3 <= generated < 200  # the aborted request's tokens still count
+    assert "request left-mid-stream: client disconnected; choice 0 ended: abort" \
+        in tiny_server.log()
 
 
 def test_departed_non_streaming_client_is_aborted(tiny_server) -> None:
@@ -62,7 +65,8 @@ def test_departed_non_streaming_client_is_aborted(tiny_server) -> None:
     body = json.dumps({"prompt": "A very long story", "max_tokens": 240, "ignore_eos": True})
     with socket.create_connection(("127.0.0.1", tiny_server.port)) as sock:
         sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                      f"Content-Type: application/json\r\nx-request-id: left-waiting\r\n"
+                      f"Content-Length: {len(body)}\r\n\r\n"
                       f"{body}").encode())
         deadline = time.monotonic() + 30
         while tiny_server.metrics()["tokenmill_generation_tokens_total"] == \
@@ -75,3 +79,5 @@ def test_departed_non_streaming_client_is_aborted(tiny_server) -> None:
     generated = (after["tokenmill_generation_tokens_total"]
                  - before["tokenmill_generation_tokens_total"])
     assert 1 <= generated < 240
+    assert "request left-waiting: client disconnected; choice 0 ended: abort" \
+        in tiny_server.log()

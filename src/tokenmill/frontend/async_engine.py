@@ -18,6 +18,7 @@ core last reported it plus what was sent since and not yet taken by the core.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
@@ -33,6 +34,8 @@ from tokenmill.metrics.stats import RequestStats
 from tokenmill.structured.compiler import Vocabulary
 from tokenmill.tokenizer.tokenizer import Tokenizer
 
+logger = logging.getLogger("tokenmill")
+
 
 class AdmissionRejected(Exception):
     """The waiting queue is at its configured cap; ``reason`` names the cap."""
@@ -45,8 +48,10 @@ class AdmissionRejected(Exception):
 class RequestStream:
     """The deltas of one API request's choices, in the order the engine produced them."""
 
-    def __init__(self, engine: AsyncEngine, choices: list[ChoiceState]) -> None:
+    def __init__(self, engine: AsyncEngine, choices: list[ChoiceState],
+                 request_id: str = "") -> None:
         self.engine = engine
+        self.request_id = request_id  # the API request's id, for the log
         self.choices = {c.req_id: c for c in choices}  # by engine request id
         self.choices_in_order = choices  # by the API's choice index
         self._queue: asyncio.Queue[ChoiceDelta] = asyncio.Queue()
@@ -75,6 +80,11 @@ class RequestStream:
         self.engine.abort_choices([req_id], FinishReason.STOP)
 
     def _finish(self, delta: ChoiceDelta) -> None:
+        if self._closed:
+            # how each choice its client left ended, as the metrics count it: aborted, or
+            # finished (the engine got there before the abort did)
+            logger.info("request %s: client disconnected; choice %d ended: %s",
+                        self.request_id, delta.index, delta.finish_reason)
         self._num_unfinished -= 1
         self.engine.on_choice_finished(self.choices_in_order[delta.index], delta.stats)
 
@@ -164,13 +174,14 @@ class AsyncEngine:
 
         ``core_requests`` holds one engine request per choice, for every prompt, in the
         order of the API's choice indices. ``request_id`` names the API request in the
-        request log.
+        request log and the server's log.
         """
         self._admit(core_requests)
         for r in core_requests:
             if r.req_id in self._streams:
                 raise ValueError(f"request id {r.req_id!r} is already in use")
-        stream = RequestStream(self, open_choices(core_requests, self.tokenizer, arrival_ts))
+        stream = RequestStream(self, open_choices(core_requests, self.tokenizer, arrival_ts),
+                               request_id)
         if self.request_log is not None:
             self.request_log.started(request_id, stream.choices_in_order,
                                      [r.prompt_token_ids for r in core_requests])
