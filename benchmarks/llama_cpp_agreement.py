@@ -63,7 +63,8 @@ SERVER_START_S = 120
 
 def configurations() -> dict[str, dict]:
     """The engine options of each configuration measured on this host."""
-    configs = {"float32": {"dtype": "float32"}, "none": {"dtype": "auto"}}
+    configs = {"float32": {"dtype": "float32"}, "none": {"dtype": "auto"},
+               "gguf-llama-cpp": {"quantization": "gguf-llama-cpp"}}
     if GGUFFormat.supports(resolve_dtype("auto", torch.device("cpu")), native_kernels()):
         configs["gguf"] = {"dtype": "auto", "quantization": "gguf"}
     return configs

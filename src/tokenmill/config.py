@@ -23,7 +23,7 @@ from tokenmill.errors import InvalidParameterError
 from tokenmill.sampling_params import SamplingParams, StructuredOutput
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATION_CHOICES = ("none", "int8", "int4", "w4a8", "w8a8", "gguf")
+QUANTIZATION_CHOICES = ("none", "int8", "int4", "w4a8", "w8a8", "gguf", "gguf-llama-cpp")
 KERNEL_CHOICES = ("auto", "native", "torch")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
 
@@ -79,7 +79,9 @@ class EngineConfig:
         "(CPU; w8a8 and bfloat16 w4a8 need AVX512-VNNI); gguf: a GGUF file's "
         "own blocks, exactly: Q8_0, Q5_0 in the int8 kernel with a scale per 32 inputs, "
         "Q6_K, Q3_K with one per 16; Q4_0, Q4_1, Q4_K in the int4 kernel as one 4-bit plane, "
-        "Q5_1, Q5_K as two; Q2_K and float types in the dtype (CPU)",
+        "Q5_1, Q5_K as two; Q2_K and float types in the dtype (CPU); gguf-llama-cpp: a GGUF "
+        "file's values in float32 times activations rounded as llama.cpp's CPU backend "
+        "rounds them (8 bits per block of 32 or 256 by weight type): llama.cpp's numbers",
         choices=QUANTIZATION_CHOICES)
     device: str = option("auto", "auto (CUDA when present), cpu or cuda[:N]")
     num_threads: int | None = option(

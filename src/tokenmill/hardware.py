@@ -30,7 +30,10 @@ def pick_device() -> torch.device:
 def resolve_dtype(name: str, device: torch.device, quantization: str = "none") -> torch.dtype:
     """``"auto" | "float32" | "bfloat16" | "float16"`` -> the torch dtype to run in. With
     ``quantization`` ``w4a8`` on a CPU without AVX512-VNNI, whose w4a8 kernel takes float32
-    activations, ``auto`` is float32."""
+    activations, and with ``gguf-llama-cpp``, which computes in float32, ``auto`` is
+    float32."""
+    if name == "auto" and quantization == "gguf-llama-cpp":
+        return torch.float32
     if (name == "auto" and quantization == "w4a8" and device.type == "cpu"
             and not cpu_has_avx512_vnni()):
         return torch.float32

@@ -47,12 +47,12 @@ def load_model(
     if not os.path.exists(path):
         raise ModelLoadError(f"model path not found: {path}")
     if os.path.isdir(path):
-        if quantization == "gguf":
+        if quantization in ("gguf", "gguf-llama-cpp"):
             raise InvalidParameterError(
-                f"--quantization gguf computes on a GGUF file's own blocks; {path} is a "
-                "folder: use none, int8, int4, w4a8 or w8a8", "quantization")
+                f"--quantization {quantization} computes on a GGUF file's own blocks; {path} "
+                "is a folder: use none, int8, int4, w4a8 or w8a8", "quantization")
         config, weights = _open_hf_folder(path)
-    elif quantization == "gguf":
+    elif quantization in ("gguf", "gguf-llama-cpp"):
         config, weights = open_gguf(path, keep_blocks=True)
     else:
         config, weights = open_gguf(path)

@@ -37,6 +37,10 @@ and accuracy costs):
   two) on them in the native int4 kernel, both exactly; the rows of other types (Q2_K,
   the float types) in the format ``none`` gives them (their values in the dtype: exact in
   float32).
+- ``LlamaCppFormat``: ``--quantization gguf-llama-cpp``, a GGUF file's values in float32
+  times activations rounded before each product as llama.cpp's CPU backend rounds them
+  for the weight's type (``llama_cpp_rounding``): the numbers llama.cpp computes on the
+  file, for comparing with it; the weights in the format ``none`` gives float32.
 - None: plain ``F.linear`` (CUDA, or no packed form for this dtype here).
 
 Every packed format computes each row of a call alone at a decode or verify step's sizes
@@ -67,6 +71,12 @@ from tokenmill.kernels.linear import (
     NativeWeight,
 )
 from tokenmill.models.gguf_blocks import INT8_GROUP_TYPES, PLANE_TYPES, FileRows
+from tokenmill.models.llama_cpp_rounding import (
+    Q8_1ActivationsWeight,
+    RoundedActivationsWeight,
+    rounded_weight,
+    runs_by_vec_dot_type,
+)
 from tokenmill.models.torch_weights import Int4Weight, Int8Weight, OneDNNWeight, onednn_supports
 
 
@@ -86,7 +96,8 @@ class StackedRowsWeight:
 
 PackedWeight = (OneDNNWeight | NativeWeight | Int8Weight | NativeInt8Weight
                 | NativeInt8GroupWeight | Int4Weight | NativeInt4Weight | NativeInt4PlanesWeight
-                | NativeW4A8Weight | StackedRowsWeight)
+                | NativeW4A8Weight | StackedRowsWeight | RoundedActivationsWeight
+                | Q8_1ActivationsWeight)
 QUANTIZED_DTYPES = (torch.bfloat16, torch.float32)  # what int8 and int4 compute in
 # packs a run of a weight's rows (and their bias) from the file's rows they were read from
 RowsPacker = Callable[[torch.Tensor, torch.Tensor | None, list[FileRows]], PackedWeight]
@@ -312,6 +323,33 @@ class GGUFFormat(WeightFormat):
         return self.pack(weight, bias)
 
 
+class LlamaCppFormat(WeightFormat):
+    """A GGUF file's values in ``dense`` (the format ``none`` gives float32), each run of
+    rows of one ``llama_cpp_rounding.VEC_DOT_TYPES`` packed on its own behind the rounding
+    of the activations llama.cpp applies for them; split where that type changes
+    (``StackedRowsWeight``). A weight ``pack``ed without the file's rows keeps its input."""
+
+    def __init__(self, dense: WeightFormat) -> None:
+        self.dense = dense
+
+    @staticmethod
+    def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
+        return dtype == torch.float32
+
+    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight:
+        return self.dense.pack(weight, bias)
+
+    def pack_rows(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                  rows: list[FileRows]) -> PackedWeight:
+        parts, first = [], 0
+        for run in runs_by_vec_dot_type(rows):
+            last = first + sum(r.shape[0] for r in run)
+            part_bias = None if bias is None else bias[first:last]
+            parts.append(rounded_weight(self.dense.pack(weight[first:last], part_bias), run))
+            first = last
+        return parts[0] if len(parts) == 1 else StackedRowsWeight(parts)
+
+
 # Per quantization: its native format, then PyTorch's.
 _QUANTIZED = {"int8": (NativeInt8Format, Int8Format), "int4": (NativeInt4Format, Int4Format)}
 
@@ -334,7 +372,8 @@ def choose_weight_format(dtype: torch.dtype, device: torch.device, quantization:
         if NativeFormat.supports(dtype, kernels):
             return NativeFormat(kernels)
         return OneDNNFormat() if OneDNNFormat.supports(dtype, kernels) else None
-    assert quantization in ("int8", "int4", "w4a8", "w8a8", "gguf"), "EngineConfig checks it"
+    assert quantization in ("int8", "int4", "w4a8", "w8a8", "gguf", "gguf-llama-cpp"), \
+        "EngineConfig checks it"
     if device.type != "cpu":
         raise InvalidParameterError(f"--quantization {quantization} runs on the CPU only",
                                     "quantization")
@@ -347,6 +386,13 @@ def choose_weight_format(dtype: torch.dtype, device: torch.device, quantization:
         dense = choose_weight_format(dtype, device, "none", kernels)
         assert dense is not None, "the native linear kernels take the dtype (see GGUFFormat)"
         return GGUFFormat(kernels, dense)
+    if quantization == "gguf-llama-cpp":
+        dense = choose_weight_format(dtype, device, "none", kernels)
+        if not LlamaCppFormat.supports(dtype, kernels) or dense is None:
+            raise InvalidParameterError(
+                "--quantization gguf-llama-cpp computes in float32: use --dtype auto or "
+                "float32", "quantization")
+        return LlamaCppFormat(dense)
     if quantization in ("w4a8", "w8a8"):
         return _integer_activations_format(dtype, quantization, kernels)
     native, portable = _QUANTIZED[quantization]
