@@ -20,9 +20,10 @@ For each GGUF file it measures:
 
 The configurations: ``float32`` (the file's values, exact), the dtype ``auto`` gives
 with ``--quantization none`` (``serve``'s default) and with ``--quantization gguf``
-(the file's own blocks) where the native kernels take it. llama.cpp runs with
-``--no-repack`` (its repacked AMX kernels crash on some AMX hosts) and its default
-float16 KV cache. Prints one table and writes JSON. Usage::
+(the file's own blocks) where the native kernels take it, and ``--quantization
+gguf-llama-cpp`` (the file's values times activations rounded as llama.cpp rounds them).
+llama.cpp runs with ``--no-repack`` (its repacked AMX kernels crash on some AMX hosts)
+and its default float16 KV cache. Prints one table and writes JSON. Usage::
 
     python benchmarks/llama_cpp_agreement.py --llama-cpp LLAMA_CPP_BIN_DIR [--ctx 512]
         [--max-tokens 48] [--text FILE] [--out FILE] GGUF [GGUF ...]
