@@ -81,7 +81,7 @@ class EngineConfig:
         "Q6_K, Q3_K with one per 16; Q4_0, Q4_1, Q4_K in the int4 kernel as one 4-bit plane, "
         "Q5_1, Q5_K as two; Q2_K and float types in the dtype (CPU); gguf-llama-cpp: a GGUF "
         "file's values in float32 times activations rounded as llama.cpp's CPU backend "
-        "rounds them (8 bits per block of 32 or 256 by weight type): llama.cpp's numbers",
+        "rounds them (8 bits per block of 32 or 256 by weight type), to compare with it",
         choices=QUANTIZATION_CHOICES)
     device: str = option("auto", "auto (CUDA when present), cpu or cuda[:N]")
     num_threads: int | None = option(

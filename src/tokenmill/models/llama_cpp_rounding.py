@@ -1,5 +1,5 @@
 """Activations rounded as llama.cpp's CPU backend rounds them before it multiplies them by a
-GGUF weight (``--quantization gguf-llama-cpp``): the numbers llama.cpp computes on a file.
+GGUF weight (``--quantization gguf-llama-cpp``): llama.cpp's products, to compare with it.
 
 llama.cpp multiplies a weight of type T by activations converted to T's "vec dot type",
 one row of activations at a time, in blocks along the inputs:

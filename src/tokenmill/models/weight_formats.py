@@ -39,8 +39,8 @@ and accuracy costs):
   float32).
 - ``LlamaCppFormat``: ``--quantization gguf-llama-cpp``, a GGUF file's values in float32
   times activations rounded before each product as llama.cpp's CPU backend rounds them
-  for the weight's type (``llama_cpp_rounding``): the numbers llama.cpp computes on the
-  file, for comparing with it; the weights in the format ``none`` gives float32.
+  for the weight's type (``llama_cpp_rounding``): llama.cpp's products on the file, for
+  comparing with it; the weights in the format ``none`` gives float32.
 - None: plain ``F.linear`` (CUDA, or no packed form for this dtype here).
 
 Every packed format computes each row of a call alone at a decode or verify step's sizes
