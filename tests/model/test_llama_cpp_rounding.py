@@ -85,15 +85,16 @@ def test_q8_k_rounding_follows_llama_cpp_reference_conversion():
 
 
 def q4_1_times_q8_1(rows: FileRows, x: torch.Tensor) -> torch.Tensor:
-    """llama.cpp's Q4_1 x Q8_1 product, in float64: per block of 32, ``d_w d_x (q_w . q_x)
-    + m_w s_x``, with ``x``'s ``q_x``, float16 ``d_x`` and float16 ``s_x = d * sum q_x``
-    computed from the definition."""
-    blocks = x.double().reshape(x.shape[0], -1, 32)
+    """llama.cpp's Q4_1 x Q8_1 product, summed in float64: per block of 32, ``d_w d_x (q_w .
+    q_x) + m_w s_x``, with ``x``'s ``q_x``, float16 ``d_x`` and float16 ``s_x = d * sum
+    q_x`` computed as its x86 conversion does, in float32."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
     q_x = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0)).reshape(x.shape[0], -1)
     d = amax.squeeze(-1) / 127
     d_x = d.half().double()
     s_x = (d * q_x.reshape(x.shape[0], -1, 32).sum(-1)).half().double()
+    q_x = q_x.double()
     (q_w, d_w, m_w), = rows.int4_planes()
     products = (q_x.reshape(x.shape[0], 1, -1, 32)
                 * q_w.double().reshape(1, q_w.shape[0], -1, 32)).sum(-1)  # [M, N, blocks]
