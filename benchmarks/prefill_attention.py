@@ -18,6 +18,8 @@ import argparse
 
 import torch
 from report_file import write_report  # noqa: E402  (sibling module)
+from rich.console import Console
+from rich.table import Table
 from roofline import best_seconds  # noqa: E402  (sibling module)
 
 from tokenmill.kernels import native_kernels
@@ -90,8 +92,12 @@ def main() -> None:
     }
     backends = {"native": NativePrefill(kernels, torch.bfloat16, args.head_dim),
                 "sdpa": SdpaPrefill(torch.bfloat16)}
-    report = {"args": vars(args), "torch": torch.__version__,
-              "cases": {}}
+    report = {"args": vars(args), "torch": torch.__version__, "cases": {}}
+    table = Table(title=f"prefill attention, one layer, heads {args.heads} over "
+                        f"{args.kv_heads} of {args.head_dim}, bfloat16 (ms, best of "
+                        f"{args.repeats}); ratio = SDPA / native")
+    for column in ("case", "native ms", "SDPA ms", "ratio"):
+        table.add_column(column, justify="right")
     with torch.inference_mode():
         for name, calls in cases.items():
             ms = {backend: 1e3 * best_seconds(
@@ -99,9 +105,9 @@ def main() -> None:
                   for backend, prefill in backends.items()}
             report["cases"][name] = {"native_ms": ms["native"], "sdpa_ms": ms["sdpa"],
                                      "ratio": ms["sdpa"] / ms["native"]}
-            print(f"{name}, heads {args.heads}/{args.kv_heads} of {args.head_dim}, one layer: "
-                  f"native {ms['native']:.2f} ms, SDPA {ms['sdpa']:.2f} ms, "
-                  f"ratio {ms['sdpa'] / ms['native']:.2f}")
+            table.add_row(name, f"{ms['native']:.2f}", f"{ms['sdpa']:.2f}",
+                          f"{ms['sdpa'] / ms['native']:.2f}")
+    Console().print(table)
     write_report(report, args.out)
 
 

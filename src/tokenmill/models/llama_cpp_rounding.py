@@ -22,7 +22,6 @@ sampling) is as in float32; llama.cpp keeps its KV cache in float16 by default.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 
 import torch
@@ -123,11 +122,6 @@ class Q8_1ActivationsWeight:
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         rounded, sum_error = round_q8_1(x)
         return self.inner.add(rounded, residual).add_(sum_error @ self.mins.T)
-
-
-def runs_by_vec_dot_type(rows: list[FileRows]) -> list[list[FileRows]]:
-    """A weight's file rows (stacked in order) in runs of one ``VEC_DOT_TYPES``."""
-    return [list(run) for _, run in itertools.groupby(rows, key=lambda r: VEC_DOT_TYPES[r.qtype])]
 
 
 def rounded_weight(inner, run: list[FileRows]):

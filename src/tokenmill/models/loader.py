@@ -30,6 +30,9 @@ from tokenmill.models.gguf_loader import open_gguf
 from tokenmill.models.registry import resolve_model_class
 from tokenmill.models.weight_formats import choose_weight_format
 
+# the quantizations that compute from a GGUF file's own rows (``FileRows``)
+FILE_BLOCK_QUANTIZATIONS = ("gguf", "gguf-llama-cpp")
+
 
 def load_model(
     path: str | None, dtype: torch.dtype, device: torch.device, quantization: str = "none",
@@ -47,12 +50,12 @@ def load_model(
     if not os.path.exists(path):
         raise ModelLoadError(f"model path not found: {path}")
     if os.path.isdir(path):
-        if quantization in ("gguf", "gguf-llama-cpp"):
+        if quantization in FILE_BLOCK_QUANTIZATIONS:
             raise InvalidParameterError(
                 f"--quantization {quantization} computes on a GGUF file's own blocks; {path} "
                 "is a folder: use none, int8, int4, w4a8 or w8a8", "quantization")
         config, weights = _open_hf_folder(path)
-    elif quantization in ("gguf", "gguf-llama-cpp"):
+    elif quantization in FILE_BLOCK_QUANTIZATIONS:
         config, weights = open_gguf(path, keep_blocks=True)
     else:
         config, weights = open_gguf(path)

@@ -72,10 +72,10 @@ from tokenmill.kernels.linear import (
 )
 from tokenmill.models.gguf_blocks import INT8_GROUP_TYPES, PLANE_TYPES, FileRows
 from tokenmill.models.llama_cpp_rounding import (
+    VEC_DOT_TYPES,
     Q8_1ActivationsWeight,
     RoundedActivationsWeight,
     rounded_weight,
-    runs_by_vec_dot_type,
 )
 from tokenmill.models.torch_weights import Int4Weight, Int8Weight, OneDNNWeight, onednn_supports
 
@@ -278,14 +278,8 @@ class GGUFFormat(WeightFormat):
 
     def pack_rows(self, weight: torch.Tensor, bias: torch.Tensor | None,
                   rows: list[FileRows]) -> PackedWeight:
-        parts, first = [], 0
-        for (packer, _), run in itertools.groupby(rows, key=self._route):
-            run = list(run)
-            last = first + sum(r.shape[0] for r in run)
-            part_bias = None if bias is None else bias[first:last]
-            parts.append(packer(weight[first:last], part_bias, run))
-            first = last
-        return parts[0] if len(parts) == 1 else StackedRowsWeight(parts)
+        return _pack_in_runs(weight, bias, rows, self._route,
+                             lambda route, part, part_bias, run: route[0](part, part_bias, run))
 
     def _route(self, rows: FileRows) -> tuple[RowsPacker, int | None]:
         """The route of ``rows``: the method that packs a run of rows like them, and for
@@ -341,13 +335,25 @@ class LlamaCppFormat(WeightFormat):
 
     def pack_rows(self, weight: torch.Tensor, bias: torch.Tensor | None,
                   rows: list[FileRows]) -> PackedWeight:
-        parts, first = [], 0
-        for run in runs_by_vec_dot_type(rows):
-            last = first + sum(r.shape[0] for r in run)
-            part_bias = None if bias is None else bias[first:last]
-            parts.append(rounded_weight(self.dense.pack(weight[first:last], part_bias), run))
-            first = last
-        return parts[0] if len(parts) == 1 else StackedRowsWeight(parts)
+        return _pack_in_runs(weight, bias, rows, lambda r: VEC_DOT_TYPES[r.qtype],
+                             lambda _, part, part_bias, run: rounded_weight(
+                                 self.dense.pack(part, part_bias), run))
+
+
+def _pack_in_runs(weight: torch.Tensor, bias: torch.Tensor | None, rows: list[FileRows],
+                  key: Callable[[FileRows], object],
+                  pack_run: Callable[..., PackedWeight]) -> PackedWeight:
+    """``weight`` (and ``bias``), read from ``rows`` stacked in order, packed per run of
+    rows of one ``key``: ``pack_run(key, weight rows, their bias, run)``; the parts side by
+    side (``StackedRowsWeight``) where there are several."""
+    parts, first = [], 0
+    for run_key, run in itertools.groupby(rows, key=key):
+        run = list(run)
+        last = first + sum(r.shape[0] for r in run)
+        part_bias = None if bias is None else bias[first:last]
+        parts.append(pack_run(run_key, weight[first:last], part_bias, run))
+        first = last
+    return parts[0] if len(parts) == 1 else StackedRowsWeight(parts)
 
 
 # Per quantization: its native format, then PyTorch's.
