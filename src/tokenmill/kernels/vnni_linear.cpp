@@ -34,8 +34,9 @@
 //         scales, then their minimums.
 //
 // Threads split the panels; each streams its panels in order and requests the next one
-// into cache while it multiplies. Rows go through in chunks of at most kMaxRows (their
-// int32 and float32 sums in registers); later chunks find the panel in cache.
+// (its weights and, for w4a8, its group_params) into cache while it multiplies. Rows go
+// through in chunks of at most kMaxRows (their int32 and float32 sums in registers); later
+// chunks find the panel in cache.
 //
 // Built for CPUs with AVX512-VNNI (and AVX512-BW); elsewhere these ops do not exist.
 #include <ATen/ATen.h>
@@ -207,20 +208,34 @@ void quantize_row(const T* x, int64_t k, int8_t* xq, float* d, float* sums) {
   if constexpr (!W::kGroupSums) *sums = 128.f * c;
 }
 
+// The panel to request into cache while one is multiplied: its weights and (w4a8) its
+// group_params, or nulls for none. At a decode's few rows the arithmetic is short and a
+// panel's parameters are read from memory as late as its weights unless requested too.
+struct NextPanel {
+  const char* weights;
+  const char* params;
+};
+
 // Rows [row, row + ROWS) of the call times one panel: acc[r][h] = outputs 16 h .. 16 h + 15
 // of row r, before the epilogue. params: the panel's group_params (w4a8) or null.
 template <typename W, int ROWS>
 inline void panel_kernel(const QuantizedRows& xr, int64_t row, const uint8_t* panel,
-                         const uint16_t* params, const char* ahead, __m512 (&acc)[kMaxRows][2]) {
+                         const uint16_t* params, NextPanel ahead, __m512 (&acc)[kMaxRows][2]) {
   constexpr int64_t kRecords = W::kActBlock / 4, kBlockBytes = kRecords * W::kRecordBytes;
   const int64_t k = xr.k, blocks = k / W::kActBlock, groups = k / kGroup;
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int8_t* x = xr.xq + row * k;
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = panel + b * kBlockBytes;
-    if (ahead) {  // the next panel's same block, a cache line at a time
+    if (ahead.weights) {  // the next panel's same block, a cache line at a time
       for (int64_t line = 0; line < kBlockBytes; line += 64) {
-        _mm_prefetch(ahead + b * kBlockBytes + line, _MM_HINT_T1);
+        _mm_prefetch(ahead.weights + b * kBlockBytes + line, _MM_HINT_T1);
+      }
+      // and its parameters of the group the block starts (2 x 32 float16: two lines)
+      if (ahead.params && b * W::kActBlock % kGroup == 0) {
+        const char* group = ahead.params + b * W::kActBlock / kGroup * 2 * kPanel * 2;
+        _mm_prefetch(group, _MM_HINT_T1);
+        _mm_prefetch(group + 64, _MM_HINT_T1);
       }
     }
     __m512i sums[kMaxRows][2];
@@ -269,7 +284,7 @@ struct Output {
 
 template <typename W, int ROWS, typename T>
 void rows_times_panel(const QuantizedRows& xr, int64_t row, const uint8_t* panel,
-                      const uint16_t* params, const char* ahead, int64_t p, const Output<T>& o) {
+                      const uint16_t* params, NextPanel ahead, int64_t p, const Output<T>& o) {
   __m512 acc[kMaxRows][2];
   panel_kernel<W, ROWS>(xr, row, panel, params, ahead, acc);
   for (int h = 0; h < 2; ++h) {
@@ -294,7 +309,7 @@ void rows_times_panel(const QuantizedRows& xr, int64_t row, const uint8_t* panel
 
 template <typename W, typename T>
 using RowsFn = void (*)(const QuantizedRows&, int64_t, const uint8_t*, const uint16_t*,
-                        const char*, int64_t, const Output<T>&);
+                        NextPanel, int64_t, const Output<T>&);
 template <typename W, typename T, int... R>
 constexpr auto make_table(std::integer_sequence<int, R...>) {
   return std::array<RowsFn<W, T>, sizeof...(R)>{&rows_times_panel<W, R + 1, T>...};
@@ -345,14 +360,17 @@ void linear(const at::Tensor& x, const at::Tensor& packed, const float* scales,
                                                  int64_t following) {
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* panel = weights + p * panel_bytes;
-      const uint8_t* next_panel = p + 1 < end       ? panel + panel_bytes
-                                  : following >= 0 ? weights + following * panel_bytes
-                                                   : nullptr;
-      const char* next = reinterpret_cast<const char*>(next_panel);
+      const int64_t next_p = p + 1 < end ? p + 1 : following;
+      const NextPanel next =
+          next_p < 0 ? NextPanel{nullptr, nullptr}
+                     : NextPanel{reinterpret_cast<const char*>(weights + next_p * panel_bytes),
+                                 params ? reinterpret_cast<const char*>(
+                                              params + next_p * panel_params)
+                                        : nullptr};
       for (int64_t c = 0, row = 0; c < chunks; ++c) {
         const int64_t rows = (m - row) / (chunks - c);
         kRowsFns<W, T>[rows - 1](xr, row, panel, params ? params + p * panel_params : nullptr,
-                                 c == 0 ? next : nullptr, p, o);
+                                 c == 0 ? next : NextPanel{nullptr, nullptr}, p, o);
         row += rows;
       }
     }
