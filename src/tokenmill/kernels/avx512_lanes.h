@@ -4,6 +4,7 @@
 
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -29,6 +30,17 @@ inline __m256i round_to_bf16(__m512 v) {
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+// silu(gate) * up lane by lane, gate / (1 + exp(-gate)) * up in float32 as the separate
+// silu_and_mul op computes it (fused_layers.cpp): the gated epilogue of the linear kernels.
+inline __m512 silu_times(__m512 gate, __m512 up) {
+  alignas(64) float g[16], u[16];
+  _mm512_store_ps(g, gate);
+  _mm512_store_ps(u, up);
+#pragma omp simd
+  for (int i = 0; i < 16; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  return _mm512_load_ps(g);
 }
 
 }  // namespace tokenmill

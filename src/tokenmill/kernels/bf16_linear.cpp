@@ -3,7 +3,8 @@
 // with a float32 scale and minimum per 32 inputs of a row:
 //
 //   bf16_pack_weight(w [N, K] bfloat16)                   -> packed (the layout below)
-//   bf16_linear(x [M, K], packed, N, bias?, residual?)    -> x @ w.T (+ bias) (+ residual)
+//   bf16_linear(x [M, K], packed, N, bias?, residual?, gated=False)
+//                                                         -> x @ w.T (+ bias) (+ residual)
 //   int8_pack_weight(q [N, K] int8)                       -> packed (the same layout)
 //   int8_linear(x [M, K], packed, scales [N], N, bias?, residual?)
 //                                                         -> (x @ q.T) * scales (+ ...)
@@ -34,6 +35,12 @@
 // float32 accumulators); the second and later chunks find the panel in cache. A grouped
 // kind's panel (int8 in groups, int4) is widened to bfloat16 once per call into a thread's
 // scratch when there is more than one chunk, and the chunks read that (see Widened).
+//
+// Gated (bf16_linear's gated=True, no bias or residual, N a multiple of 32): each panel's
+// two halves are 16 gate outputs and the same 16 up outputs of a gated MLP (the rows of its
+// gate/up weight interleaved in blocks of 16, linear.interleave_gate_up), and the call
+// returns silu(gate) * up [M, N / 2] from the float32 sums, rounded once: the SiLU gate in
+// the epilogue, no [M, N] product in memory. Gated calls multiply without AMX tiles.
 //
 // Built only for CPUs with AVX512-BF16 (the compiler targets the host): elsewhere these ops
 // do not exist and the weights take PyTorch's kernels.
@@ -296,6 +303,7 @@ struct Operands {
   int64_t res_stride;
   uint16_t* out;
   int64_t out_stride;
+  bool gated;  // panel halves are gate and up outputs: out[:, 16 p ..] = silu(gate) * up
 };
 
 // A grouped kind's pass over a panel, group by group: each group's sums of x q go into
@@ -359,6 +367,17 @@ class HalfPanelOutput {
   __m512 scale_, bias_;
 };
 
+// A gated call's outputs 16 p .. 16 p + 15 of row ``row``: silu(gate) * up of the panel's
+// float32 sums (each times its per-output scale, for int8), rounded once to bfloat16.
+inline void store_gated(const Operands& op, int64_t row, int64_t p, __m512 gate, __m512 up) {
+  if (op.scales) {
+    gate = _mm512_mul_ps(gate, _mm512_loadu_ps(op.scales + p * kPanel));
+    up = _mm512_mul_ps(up, _mm512_loadu_ps(op.scales + p * kPanel + 16));
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(op.out + row * op.out_stride + 16 * p),
+                      round_to_bf16(tokenmill::silu_times(gate, up)));
+}
+
 // Rows [row, row + ROWS) of the call times panel p.
 template <typename W, int ROWS>
 void rows_times_panel(const Operands& op, int64_t row, const typename W::Elem* panel,
@@ -368,6 +387,10 @@ void rows_times_panel(const Operands& op, int64_t row, const typename W::Elem* p
     group_panel_kernel<W, ROWS>(op, row, panel, ahead, p, acc);
   } else {
     panel_kernel<W, ROWS>(op.x + row * op.x_stride, op.x_stride, op.k, panel, ahead, acc);
+  }
+  if (op.gated) {
+    for (int r = 0; r < ROWS; ++r) store_gated(op, row + r, p, acc[r][0], acc[r][1]);
+    return;
   }
   for (int h = 0; h < 2; ++h) {
     const HalfPanelOutput out(op, p, h);
@@ -797,7 +820,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const float* sc
                   GroupOperands groups, int64_t out_features,
                   const std::optional<at::Tensor>& bias,
                   const std::optional<at::Tensor>& residual, at::ScalarType weight_type,
-                  const char* packer) {
+                  const char* packer, bool gated = false) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
               "x must be [M, K] bfloat16 with contiguous rows");
   const int64_t m = x.size(0), k = x.size(1), n = out_features;
@@ -806,16 +829,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const float* sc
                   packed.size(1) == even(k) / 2,
               "packed must be ", packer, "'s packing of an [out_features, K] weight");
   tokenmill::check_bias_and_residual(bias, residual, m, n, at::kBFloat16, "bfloat16");
-  at::Tensor out = at::empty({m, n}, x.options());
+  TORCH_CHECK(!gated || (n % kPanel == 0 && !bias && !residual),
+              "a gated call takes out_features a multiple of ", kPanel,
+              ", no bias and no residual");
+  const int64_t out_n = gated ? n / 2 : n;
+  at::Tensor out = at::empty({m, out_n}, x.options());
   if (m == 0) return out;
   const Operands op{bits_of(x), x.stride(0), k, n, scales, groups.scales, groups.mins,
                     groups.x_sums, bias ? bits_of(*bias) : nullptr,
                     residual ? bits_of(*residual) : nullptr,
                     residual ? residual->stride(0) : 0,
-                    reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n};
+                    reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), out_n, gated};
   const auto* weights = reinterpret_cast<const typename W::Elem*>(packed.data_ptr());
 #ifdef TOKENMILL_AMX
-  if (tiles_take<W>(k)) {
+  if (!gated && tiles_take<W>(k)) {
     tiles_linear<W>(op, m, weights, packed.size(0), packed.size(1));
     return out;
   }
@@ -858,9 +885,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const float* sc
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                        const std::optional<at::Tensor>& bias,
-                       const std::optional<at::Tensor>& residual) {
+                       const std::optional<at::Tensor>& residual, bool gated) {
   return linear<BF16Weights>(x, packed, nullptr, {}, out_features, bias, residual,
-                             at::kBFloat16, "bf16_pack_weight");
+                             at::kBFloat16, "bf16_pack_weight", gated);
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -952,7 +979,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("bf16_linear_uses_tiles() -> bool", &bf16_linear_uses_tiles);
   m.def("bf16_pack_weight(Tensor weight) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor packed, int out_features, Tensor? bias, "
-        "Tensor? residual) -> Tensor");
+        "Tensor? residual, bool gated=False) -> Tensor");
   m.def("int8_pack_weight(Tensor weight) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, int out_features, Tensor? bias, "
         "Tensor? residual) -> Tensor");

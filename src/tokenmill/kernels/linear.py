@@ -34,6 +34,17 @@ def panel_outputs(dtype: torch.dtype) -> int:
     return 32 if dtype == torch.bfloat16 else 16
 
 
+def interleave_gate_up(weight: torch.Tensor) -> torch.Tensor:
+    """A gated MLP's gate/up weight ``[2I, in]`` (gate rows, then up rows) with its rows in
+    blocks of 16 taken in turn: rows ``32 j .. 32 j + 15`` are gate rows ``16 j ..``, rows
+    ``32 j + 16 .. 32 j + 31`` up rows ``16 j ..``. Each panel of 32 outputs then holds the
+    same 16 outputs of both, the layout of a gated kernel call (``gated=True``: the linear
+    kernels of bfloat16 on AVX512-BF16 and the VNNI ones), whose output ``j`` is
+    ``silu(gate_j) * up_j``. Needs ``I % 16 == 0``."""
+    rows, in_features = weight.shape
+    return weight.view(2, rows // 32, 16, in_features).transpose(0, 1).reshape(rows, in_features)
+
+
 class NativeWeight:
     """The weight in its dtype: ``bf16_linear`` (bfloat16) or ``f32_linear`` (float32).
     Same arithmetic as oneDNN's (exact products summed in float32, one rounding)."""

@@ -2,13 +2,17 @@
 // as integers with AVX512-VNNI's VPDPBUSD (64 byte products summed into 16 int32 lanes per
 // instruction, twice the products of one bfloat16 VDPBF16PS):
 //
-//   vnni_w8a8_linear(x [M, K], packed, scales, N, bias?, residual?)
+//   vnni_w8a8_linear(x [M, K], packed, scales, N, bias?, residual?, gated=False)
 //       -> x~ @ (q * scale).T (+ bias) (+ residual), q int8, a float32 scale per output
-//   vnni_w4a8_linear(x [M, K], packed, group_params, N, bias?, residual?)
+//   vnni_w4a8_linear(x [M, K], packed, group_params, N, bias?, residual?, gated=False)
 //       -> x~ @ (q * scale + min).T (+ bias) (+ residual), q in 0..15, a float16 scale
 //          and minimum per kGroup (32) inputs of an output (GGUF Q4_1's form, in its dtypes)
 //
-// x is bfloat16 or float32, and so are bias, residual and the output. Activations: each
+// x is bfloat16 or float32, and so are bias, residual and the output. With gated=True (no
+// bias or residual, N a multiple of 32) each panel's two halves are 16 gate outputs and the
+// same 16 up outputs of a gated MLP (its gate/up rows interleaved in blocks of 16,
+// linear.interleave_gate_up) and the call returns silu(gate) * up [M, N / 2] from the
+// float32 outputs, rounded once. Activations: each
 // row of x is quantized per block of inputs at every call (32 for w8a8, 16 for w4a8: the
 // kinds' kActBlock), x~ = d * round(x / d) with d = max|x| / 127 over the block (round to
 // nearest even). Then
@@ -278,8 +282,9 @@ struct Output {
   const T* bias;        // per output, or null
   const T* residual;    // [M, n], or null
   int64_t res_stride;
-  T* out;  // [M, n]
+  T* out;  // [M, n], or gated [M, n / 2]
   int64_t n;
+  bool gated;  // panel halves are gate and up outputs: out[:, 16 p ..] = silu(gate) * up
 };
 
 template <typename W, int ROWS, typename T>
@@ -287,6 +292,21 @@ void rows_times_panel(const QuantizedRows& xr, int64_t row, const uint8_t* panel
                       const uint16_t* params, NextPanel ahead, int64_t p, const Output<T>& o) {
   __m512 acc[kMaxRows][2];
   panel_kernel<W, ROWS>(xr, row, panel, params, ahead, acc);
+  if (o.gated) {
+    for (int r = 0; r < ROWS; ++r) {
+      __m512 halves[2];
+      for (int h = 0; h < 2; ++h) {
+        halves[h] = acc[r][h];
+        if (o.scales) {
+          halves[h] = _mm512_mul_ps(_mm512_sub_ps(halves[h], _mm512_set1_ps(xr.sums[row + r])),
+                                    _mm512_loadu_ps(o.scales + p * kPanel + 16 * h));
+        }
+      }
+      store_floats(o.out + (row + r) * (o.n / 2) + 16 * p,
+                   tokenmill::silu_times(halves[0], halves[1]), 16);
+    }
+    return;
+  }
   for (int h = 0; h < 2; ++h) {
     const int64_t col = p * kPanel + 16 * h;
     if (col >= o.n) break;
@@ -330,8 +350,9 @@ const T* data_of(const at::Tensor& t) {
 template <typename W, typename T>
 void linear(const at::Tensor& x, const at::Tensor& packed, const float* scales,
             const uint16_t* params, const std::optional<at::Tensor>& bias,
-            const std::optional<at::Tensor>& residual, at::Tensor& out) {
-  const int64_t m = x.size(0), k = x.size(1), n = out.size(1), blocks = k / W::kActBlock;
+            const std::optional<at::Tensor>& residual, bool gated, at::Tensor& out) {
+  const int64_t m = x.size(0), k = x.size(1), blocks = k / W::kActBlock;
+  const int64_t n = gated ? 2 * out.size(1) : out.size(1);
   const int64_t groups = k / kGroup;
   // One scratch allocation for the quantized rows: scales and sums (float32), then the
   // int8 values.
@@ -352,7 +373,7 @@ void linear(const at::Tensor& x, const at::Tensor& packed, const float* scales,
   const Output<T> o{scales, bias ? data_of<T>(*bias) : nullptr,
                     residual ? data_of<T>(*residual) : nullptr,
                     residual ? residual->stride(0) : 0,
-                    reinterpret_cast<T*>(out.data_ptr()), n};
+                    reinterpret_cast<T*>(out.data_ptr()), n, gated};
   const auto* weights = packed.data_ptr<uint8_t>();
   const int64_t panel_bytes = k / 4 * W::kRecordBytes, panel_params = groups * 2 * kPanel;
   const int64_t chunks = (m + W::kMaxRows - 1) / W::kMaxRows;  // of nearly equal sizes
@@ -382,7 +403,8 @@ template <typename W>
 at::Tensor checked_linear(const at::Tensor& x, const at::Tensor& packed, const float* scales,
                           const uint16_t* params, int64_t out_features,
                           const std::optional<at::Tensor>& bias,
-                          const std::optional<at::Tensor>& residual, const char* layout) {
+                          const std::optional<at::Tensor>& residual, bool gated,
+                          const char* layout) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 &&
                   (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "x must be [M, K] bfloat16 or float32 with contiguous rows");
@@ -394,12 +416,15 @@ at::Tensor checked_linear(const at::Tensor& x, const at::Tensor& packed, const f
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   tokenmill::check_bias_and_residual(bias, residual, m, out_features, x.scalar_type(),
                                      bf16 ? "bfloat16" : "float32");
-  at::Tensor out = at::empty({m, out_features}, x.options());
+  TORCH_CHECK(!gated || (out_features % kPanel == 0 && !bias && !residual),
+              "a gated call takes out_features a multiple of ", kPanel,
+              ", no bias and no residual");
+  at::Tensor out = at::empty({m, gated ? out_features / 2 : out_features}, x.options());
   if (m == 0) return out;
   if (bf16) {
-    linear<W, uint16_t>(x, packed, scales, params, bias, residual, out);
+    linear<W, uint16_t>(x, packed, scales, params, bias, residual, gated, out);
   } else {
-    linear<W, float>(x, packed, scales, params, bias, residual, out);
+    linear<W, float>(x, packed, scales, params, bias, residual, gated, out);
   }
   return out;
 }
@@ -407,18 +432,18 @@ at::Tensor checked_linear(const at::Tensor& x, const at::Tensor& packed, const f
 at::Tensor vnni_w8a8_linear(const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scales, int64_t out_features,
                             const std::optional<at::Tensor>& bias,
-                            const std::optional<at::Tensor>& residual) {
+                            const std::optional<at::Tensor>& residual, bool gated) {
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == panels_for(out_features) * kPanel &&
                   scales.is_contiguous() && scales.scalar_type() == at::kFloat,
               "scales must be [out_features padded to a multiple of ", kPanel, "] float32");
   return checked_linear<W8>(x, packed, scales.data_ptr<float>(), nullptr, out_features, bias,
-                            residual, "linear.NativeW8A8Weight");
+                            residual, gated, "linear.NativeW8A8Weight");
 }
 
 at::Tensor vnni_w4a8_linear(const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& group_params, int64_t out_features,
                             const std::optional<at::Tensor>& bias,
-                            const std::optional<at::Tensor>& residual) {
+                            const std::optional<at::Tensor>& residual, bool gated) {
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
   TORCH_CHECK(group_params.dim() == 4 && group_params.size(0) == panels_for(out_features) &&
                   group_params.size(1) * kGroup == x.size(1) && group_params.size(2) == 2 &&
@@ -427,16 +452,17 @@ at::Tensor vnni_w4a8_linear(const at::Tensor& x, const at::Tensor& packed,
               "group_params must be [panels, K / ", kGroup, ", 2, ", kPanel, "] float16");
   return checked_linear<W4>(x, packed, nullptr,
                             reinterpret_cast<const uint16_t*>(group_params.data_ptr()),
-                            out_features, bias, residual, "linear.NativeVnniW4A8Weight");
+                            out_features, bias, residual, gated,
+                            "linear.NativeVnniW4A8Weight");
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("vnni_w8a8_linear(Tensor x, Tensor packed, Tensor scales, int out_features, "
-        "Tensor? bias, Tensor? residual) -> Tensor");
+        "Tensor? bias, Tensor? residual, bool gated=False) -> Tensor");
   m.def("vnni_w4a8_linear(Tensor x, Tensor packed, Tensor group_params, int out_features, "
-        "Tensor? bias, Tensor? residual) -> Tensor");
+        "Tensor? bias, Tensor? residual, bool gated=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {

@@ -8,6 +8,7 @@ the loader, and skipping random initialisation keeps loading a large model fast.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -197,10 +198,41 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+class GatedLinear(Linear):
+    """``act(x @ gate.T) * (x @ up.T)`` ``[M, I]`` of a gate/up weight ``[2I, in]`` (gate
+    rows, then up rows, no bias), loaded as a ``Linear``: after ``pack``, one kernel call
+    where the format gates SiLU in its epilogue (``WeightFormat.pack_silu_gated``), else
+    the projection and then ``act_and_mul`` (``[gate | up] -> [I]``)."""
+
+    def __init__(self, in_features: int, intermediate_size: int, dtype: torch.dtype,
+                 device: torch.device, weight_format: WeightFormat | None,
+                 act_and_mul: Callable[[torch.Tensor], torch.Tensor], silu: bool):
+        super().__init__(in_features, 2 * intermediate_size, False, dtype, device,
+                         weight_format)
+        self._act_and_mul = act_and_mul
+        self._silu = silu
+        self.fused = False  # after pack: whether one kernel call gates
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.packed(x)
+        return self._act_and_mul(super().forward(x))
+
+    def pack(self) -> None:
+        gated = (self.weight_format.pack_silu_gated(self.weight.data)
+                 if self._silu and self.weight_format is not None else None)
+        if gated is None:
+            super().pack()
+            return
+        self.packed, self.fused, self.file_rows = gated, True, {}
+        self.weight.data = self.weight.data.new_empty(0)
+
+
 class GatedMLP(nn.Module):
     """``residual + down(act(gate(x)) * up(x))`` with gate and up fused in one ``[2I, H]``
-    projection; the gate by ``ops.silu_and_mul`` (see ``layer_ops``), or by
-    ``gelu_tanh_and_mul`` with ``activation="gelu_pytorch_tanh"``."""
+    projection (``GatedLinear``, which gates too); the gate by ``ops.silu_and_mul`` (see
+    ``layer_ops``) or in the projection's kernel, or by ``gelu_tanh_and_mul`` with
+    ``activation="gelu_pytorch_tanh"``."""
 
     def __init__(
         self,
@@ -213,15 +245,16 @@ class GatedMLP(nn.Module):
         activation: str = "silu",
     ):
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, dtype, device,
-                                   weight_format)
+        silu = activation == "silu"
+        self.gate_up_proj = GatedLinear(hidden_size, intermediate_size, dtype, device,
+                                        weight_format,
+                                        ops.silu_and_mul if silu else gelu_tanh_and_mul, silu)
         self.down_proj = Linear(intermediate_size, hidden_size, False, dtype, device,
                                 weight_format)
-        self._act_and_mul = (ops.silu_and_mul if activation == "silu" else gelu_tanh_and_mul)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward_add(self._act_and_mul(self.gate_up_proj(x)), residual)
+        return self.down_proj.forward_add(self.gate_up_proj(x), residual)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """``down(act(gate(x)) * up(x))``, no residual (for a norm after the MLP)."""
-        return self.down_proj(self._act_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))

@@ -52,6 +52,7 @@ takes them alone, and raises where the host has none for the dtype.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -69,6 +70,7 @@ from tokenmill.kernels.linear import (
     NativeW4A8Weight,
     NativeW8A8Weight,
     NativeWeight,
+    interleave_gate_up,
 )
 from tokenmill.models.gguf_blocks import INT8_GROUP_TYPES, PLANE_TYPES, FileRows
 from tokenmill.models.llama_cpp_rounding import (
@@ -133,6 +135,23 @@ class WeightFormat(ABC):
         bits (a GGUF file stores it in 8 bits; 4 bits there cost accuracy)."""
         return self
 
+    def gates_silu(self, dtype: torch.dtype) -> bool:
+        """Whether this format's kernel applies a SiLU gate in its epilogue for ``dtype``
+        activations (``pack_silu_gated``)."""
+        return False
+
+    def pack_silu_gated(self, weight: torch.Tensor) -> PackedWeight | None:
+        """A gated MLP's gate/up weight ``[2I, in]`` (gate rows, then up rows; no bias)
+        packed so that one kernel call gives ``silu(x @ gate.T) * (x @ up.T)`` ``[M, I]``:
+        the gate applied to the float32 sums, one rounding, no ``[M, 2I]`` product in
+        memory. None where the format's kernel does not gate (``gates_silu``) or ``I`` is
+        not a multiple of 16: the caller then projects and gates apart."""
+        if not self.gates_silu(weight.dtype) or weight.shape[0] % 32:
+            return None
+        packed = self.pack(interleave_gate_up(weight), None)
+        packed.linear = functools.partial(packed.linear, gated=True)
+        return packed
+
 
 class KernelWeightFormat(WeightFormat):
     """A format of the engine's native kernels, whose packed weights take them first."""
@@ -160,6 +179,11 @@ class NativeFormat(KernelWeightFormat):
         return (kernels is not None and kernels.capabilities.linear(dtype)
                 and not (dtype == torch.bfloat16 and kernels.capabilities.amx
                          and not kernels.capabilities.linear_tiles))
+
+    def gates_silu(self, dtype: torch.dtype) -> bool:
+        """bfloat16 (``bf16_linear``) without AMX: a gated call multiplies without tiles,
+        and the tiles multiply a prefill's gate/up rows faster than the gate saves."""
+        return dtype == torch.bfloat16 and not self.kernels.capabilities.amx
 
     @staticmethod
     def row_invariant(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
@@ -234,6 +258,9 @@ class NativeW8A8Format(KernelWeightFormat):
     def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
         return (dtype in (torch.bfloat16, torch.float32) and kernels is not None
                 and kernels.capabilities.vnni_linear)
+
+    def gates_silu(self, dtype: torch.dtype) -> bool:
+        return True
 
     @property
     def head(self) -> WeightFormat:
