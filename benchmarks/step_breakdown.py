@@ -10,8 +10,9 @@ exactly ``--output-len`` output tokens, streaming, at each ``--concurrency`` in 
 Per level it prints the mean milliseconds per engine step of:
 
 - engine process: scheduling (``Scheduler.schedule``), input preparation (the runner's
-  tensors and attention plan), forward (the decoder layers' matmuls, attention over the
-  cache, the rest: norms, rotary and the KV store, embedding, residuals), the LM head
+  tensors and attention plan), forward (the decoder layers' matmuls, the MLP's SiLU gate
+  with them, attention over the cache, the rest: norms, rotary and the KV store,
+  embedding, residuals), the LM head
   (the output projection to the vocabulary), sampling (settings + sampler, log-probabilities
   included where the requests ask for them: ``--logprobs``), update (stop checks,
   outputs), other (the rest of ``EngineCore.step``: sending results, the queue state),
@@ -109,6 +110,7 @@ def instrument_engine(timers: Timers) -> None:
     timers.wrap(ModelRunner, "_sampling_batch", "sampling")
     timers.wrap(layers.Linear, "forward", "matmuls", not_inside="lm_head")
     timers.wrap(layers.Linear, "forward_add", "matmuls")
+    timers.wrap(layers.GatedLinear, "forward", "matmuls")  # with its SiLU gate
     timers.wrap(PagedCausalLM, "compute_logits", "lm_head")
     for attention in (NativeDecode, NativePrefill, SdpaDecode, SdpaPrefill):
         timers.wrap(attention, "__call__", "attention")  # after rotary and the store
