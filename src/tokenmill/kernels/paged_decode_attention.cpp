@@ -16,7 +16,9 @@
 // (decode_attention_avx2): a KV head at a time, scores for 8 keys at once folded without a
 // horizontal sum per key, and each value row read once for up to 3 query heads. With
 // AVX-512 (decode_attention_avx512) the same plan in 16 lanes, and each key row too is
-// read and widened once for up to 3 query heads. Both take their tasks in batches
+// read and widened once for up to 3 query heads; bfloat16 heads on a CPU with AVX512-BF16
+// are scored with VDPBF16PS on the keys' own bfloat16 pairs (exact products, float32
+// sums, the scale applied to the sum), without widening them. Both take their tasks in batches
 // (thread_batches.h) and, while computing a task, request the next task's K and V rows
 // into L2 (NextTaskRows), so that memory streams during the arithmetic.
 #include <ATen/ATen.h>
@@ -34,6 +36,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -307,6 +310,16 @@ void scaled_queries(const DecodeOperands<T>& op, int64_t b, int64_t h0, int64_t 
   }
 }
 
+// queries[g * head_dim + d] = the bfloat16 bits of query head h0 + g of sequence b, unscaled.
+template <typename T>
+void raw_queries(const DecodeOperands<T>& op, int64_t b, int64_t h0, int64_t head_dim,
+                 uint16_t* queries) {
+  for (int64_t g = 0; g < op.group; ++g) {
+    std::memcpy(queries + g * head_dim, op.q + b * op.q_seq_stride + (h0 + g) * op.q_head_stride,
+                head_dim * sizeof(uint16_t));
+  }
+}
+
 // Each of `rows` score rows (len keys, `stride` apart) becomes exp(score - the row's
 // maximum), and inv_totals[row] 1 / the row's sum.
 inline void exp_rows(float* scores, int64_t rows, int64_t stride, int64_t len,
@@ -505,6 +518,42 @@ inline void score_keys(const T* const (&keys)[kKeys], const float* queries, floa
   }
 }
 
+#if defined(__AVX512BF16__)
+constexpr bool kScorePairs = true;
+
+// score_keys for bfloat16 heads with VDPBF16PS: queries holds the NH heads' unscaled
+// bfloat16 values (HEAD_DIM apart); each instruction multiplies 16 pairs of query and key
+// values exactly and adds them to float32 sums (no widening of the keys, half the
+// instructions of the FMA form), and the folded sums are times scale.
+template <int64_t HEAD_DIM, int NH>
+inline void score_key_pairs(const at::BFloat16* const (&keys)[kKeys], const uint16_t* queries,
+                            float scale, float* scores, int64_t score_stride) {
+  constexpr int64_t kChunks = HEAD_DIM / 32;
+  __m512 acc[NH][kKeys];
+  for (int g = 0; g < NH; ++g) {
+    for (int64_t j = 0; j < kKeys; ++j) acc[g][j] = _mm512_setzero_ps();
+  }
+  for (int64_t c = 0; c < kChunks; ++c) {
+    __m512bh q[NH];
+    for (int g = 0; g < NH; ++g) {
+      q[g] = (__m512bh)_mm512_loadu_si512(queries + g * HEAD_DIM + 32 * c);
+    }
+    for (int64_t j = 0; j < kKeys; ++j) {
+      const __m512bh k = (__m512bh)_mm512_loadu_si512(keys[j] + 32 * c);
+      for (int g = 0; g < NH; ++g) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], q[g], k);
+    }
+  }
+  const __m256 scales = _mm256_set1_ps(scale);
+  for (int g = 0; g < NH; ++g) {
+    __m256 halves[kKeys];
+    for (int64_t j = 0; j < kKeys; ++j) halves[j] = add_halves(acc[g][j]);
+    _mm256_storeu_ps(scores + g * score_stride, _mm256_mul_ps(fold8(halves), scales));
+  }
+}
+#else
+constexpr bool kScorePairs = false;
+#endif
+
 // AddValues8 with 16-lane registers: kDimsPerPass dimensions of NH query heads per pass.
 struct AddValues16 {
 template <typename T, int NH>
@@ -553,7 +602,9 @@ void decode_attention_avx512(const DecodeOperands<T>& op) {
   const int64_t head_groups = (group + kHeadsAtOnce - 1) / kHeadsAtOnce;
   tokenmill::parallel_batches(op.num_seqs * op.tasks_per_seq, [&](int64_t begin, int64_t end,
                                                                   int64_t following) {
+    constexpr bool kPairs = kScorePairs && std::is_same_v<T, at::BFloat16>;
     std::vector<float> scores, queries(group * HEAD_DIM), inv_totals(group);
+    std::vector<uint16_t> pairs(kPairs ? group * HEAD_DIM : 0);
     tasks_in_order(op, begin, end, following, width, head_groups,
                    HEAD_DIM / kDimsPerPass * head_groups,
                    [&](const TaskKeys& task, const int64_t* offsets, NextTaskRows<T>& ahead,
@@ -562,7 +613,11 @@ void decode_attention_avx512(const DecodeOperands<T>& op) {
       scores.resize(group * padded);
       for (int64_t kv = task.kv_begin; kv < task.kv_begin + heads_per_task; ++kv) {
         const int64_t head_offset = (kv - task.kv_begin) * HEAD_DIM;
-        scaled_queries(op, task.b, kv * group, HEAD_DIM, queries.data());
+        if constexpr (kPairs) {
+          raw_queries(op, task.b, kv * group, HEAD_DIM, pairs.data());
+        } else {
+          scaled_queries(op, task.b, kv * group, HEAD_DIM, queries.data());
+        }
         const bool first = !requested && kv == task.kv_begin;
         if (first) prefetch_first_keys(op, task, offsets, width);
         for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
@@ -579,7 +634,16 @@ void decode_attention_avx512(const DecodeOperands<T>& op) {
               }
             }
             float* s = scores.data() + g0 * padded + t0;
-            if (heads == 3) {
+            if constexpr (kPairs) {
+              const uint16_t* raw = pairs.data() + g0 * HEAD_DIM;
+              if (heads == 3) {
+                score_key_pairs<HEAD_DIM, 3>(keys, raw, op.scale, s, padded);
+              } else if (heads == 2) {
+                score_key_pairs<HEAD_DIM, 2>(keys, raw, op.scale, s, padded);
+              } else {
+                score_key_pairs<HEAD_DIM, 1>(keys, raw, op.scale, s, padded);
+              }
+            } else if (heads == 3) {
               score_keys<T, HEAD_DIM, 3>(keys, q, s, padded);
             } else if (heads == 2) {
               score_keys<T, HEAD_DIM, 2>(keys, q, s, padded);
