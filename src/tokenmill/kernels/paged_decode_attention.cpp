@@ -603,8 +603,9 @@ void decode_attention_avx512(const DecodeOperands<T>& op) {
   tokenmill::parallel_batches(op.num_seqs * op.tasks_per_seq, [&](int64_t begin, int64_t end,
                                                                   int64_t following) {
     constexpr bool kPairs = kScorePairs && std::is_same_v<T, at::BFloat16>;
-    std::vector<float> scores, queries(group * HEAD_DIM), inv_totals(group);
-    std::vector<uint16_t> pairs(kPairs ? group * HEAD_DIM : 0);
+    // the group's queries: scaled float32 (FMA scores) or their bfloat16 bits (pairs)
+    std::vector<float> scores, queries(kPairs ? 0 : group * HEAD_DIM), inv_totals(group);
+    std::vector<uint16_t> raw(kPairs ? group * HEAD_DIM : 0);
     tasks_in_order(op, begin, end, following, width, head_groups,
                    HEAD_DIM / kDimsPerPass * head_groups,
                    [&](const TaskKeys& task, const int64_t* offsets, NextTaskRows<T>& ahead,
@@ -614,7 +615,7 @@ void decode_attention_avx512(const DecodeOperands<T>& op) {
       for (int64_t kv = task.kv_begin; kv < task.kv_begin + heads_per_task; ++kv) {
         const int64_t head_offset = (kv - task.kv_begin) * HEAD_DIM;
         if constexpr (kPairs) {
-          raw_queries(op, task.b, kv * group, HEAD_DIM, pairs.data());
+          raw_queries(op, task.b, kv * group, HEAD_DIM, raw.data());
         } else {
           scaled_queries(op, task.b, kv * group, HEAD_DIM, queries.data());
         }
@@ -623,7 +624,6 @@ void decode_attention_avx512(const DecodeOperands<T>& op) {
         for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
           const int64_t heads = std::min(kHeadsAtOnce, group - g0);
           const bool prefetch = first && g0 == 0;
-          const float* q = queries.data() + g0 * HEAD_DIM;
           for (int64_t t0 = 0; t0 < padded; t0 += kKeys) {
             ahead.request();
             const T* keys[kKeys];
@@ -635,15 +635,15 @@ void decode_attention_avx512(const DecodeOperands<T>& op) {
             }
             float* s = scores.data() + g0 * padded + t0;
             if constexpr (kPairs) {
-              const uint16_t* raw = pairs.data() + g0 * HEAD_DIM;
+              const uint16_t* rq = raw.data() + g0 * HEAD_DIM;
               if (heads == 3) {
-                score_key_pairs<HEAD_DIM, 3>(keys, raw, op.scale, s, padded);
+                score_key_pairs<HEAD_DIM, 3>(keys, rq, op.scale, s, padded);
               } else if (heads == 2) {
-                score_key_pairs<HEAD_DIM, 2>(keys, raw, op.scale, s, padded);
+                score_key_pairs<HEAD_DIM, 2>(keys, rq, op.scale, s, padded);
               } else {
-                score_key_pairs<HEAD_DIM, 1>(keys, raw, op.scale, s, padded);
+                score_key_pairs<HEAD_DIM, 1>(keys, rq, op.scale, s, padded);
               }
-            } else if (heads == 3) {
+            } else if (const float* q = queries.data() + g0 * HEAD_DIM; heads == 3) {
               score_keys<T, HEAD_DIM, 3>(keys, q, s, padded);
             } else if (heads == 2) {
               score_keys<T, HEAD_DIM, 2>(keys, q, s, padded);

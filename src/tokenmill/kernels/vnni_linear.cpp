@@ -287,6 +287,16 @@ struct Output {
   bool gated;  // panel halves are gate and up outputs: out[:, 16 p ..] = silu(gate) * up
 };
 
+// Row ``row``'s sums for outputs col .. col + 15, w8a8's with the 128s taken out and times
+// the weight scale (w4a8's panel sums are scaled already).
+template <typename T>
+inline __m512 weight_scaled(__m512 sums, const QuantizedRows& xr, int64_t row,
+                            const Output<T>& o, int64_t col) {
+  if (!o.scales) return sums;
+  return _mm512_mul_ps(_mm512_sub_ps(sums, _mm512_set1_ps(xr.sums[row])),
+                       _mm512_loadu_ps(o.scales + col));
+}
+
 template <typename W, int ROWS, typename T>
 void rows_times_panel(const QuantizedRows& xr, int64_t row, const uint8_t* panel,
                       const uint16_t* params, NextPanel ahead, int64_t p, const Output<T>& o) {
@@ -294,16 +304,10 @@ void rows_times_panel(const QuantizedRows& xr, int64_t row, const uint8_t* panel
   panel_kernel<W, ROWS>(xr, row, panel, params, ahead, acc);
   if (o.gated) {
     for (int r = 0; r < ROWS; ++r) {
-      __m512 halves[2];
-      for (int h = 0; h < 2; ++h) {
-        halves[h] = acc[r][h];
-        if (o.scales) {
-          halves[h] = _mm512_mul_ps(_mm512_sub_ps(halves[h], _mm512_set1_ps(xr.sums[row + r])),
-                                    _mm512_loadu_ps(o.scales + p * kPanel + 16 * h));
-        }
-      }
-      store_floats(o.out + (row + r) * (o.n / 2) + 16 * p,
-                   tokenmill::silu_times(halves[0], halves[1]), 16);
+      const __m512 gate = weight_scaled(acc[r][0], xr, row + r, o, p * kPanel);
+      const __m512 up = weight_scaled(acc[r][1], xr, row + r, o, p * kPanel + 16);
+      store_floats(o.out + (row + r) * (o.n / 2) + 16 * p, tokenmill::silu_times(gate, up),
+                   16);
     }
     return;
   }
@@ -313,11 +317,7 @@ void rows_times_panel(const QuantizedRows& xr, int64_t row, const uint8_t* panel
     const int64_t width = std::min<int64_t>(16, o.n - col);
     const __m512 bias = o.bias ? load_floats(o.bias + col, width) : _mm512_setzero_ps();
     for (int r = 0; r < ROWS; ++r) {
-      __m512 v = acc[r][h];
-      if (o.scales) {  // w8a8: the 128s out, then the weight scale
-        v = _mm512_mul_ps(_mm512_sub_ps(v, _mm512_set1_ps(xr.sums[row + r])),
-                          _mm512_loadu_ps(o.scales + col));
-      }
+      __m512 v = weight_scaled(acc[r][h], xr, row + r, o, col);
       v = _mm512_add_ps(v, bias);
       if (o.residual) {
         v = _mm512_add_ps(v, load_floats(o.residual + (row + r) * o.res_stride + col, width));
