@@ -16,7 +16,8 @@ Per level it prints the mean milliseconds per engine step of:
   (the output projection to the vocabulary), sampling (settings + sampler, log-probabilities
   included where the requests ask for them: ``--logprobs``), update (stop checks,
   outputs), other (the rest of ``EngineCore.step``: sending results, the queue state),
-  idle (between steps: waiting for work or the inbox);
+  idle (between steps, from the level's first working step to its last: waiting for
+  work or the inbox; not the load generator's own start-up and exit);
 - server process, event-loop thread (CPU time): output processing (detokenisation, stop strings,
   stats) and HTTP/SSE (everything else it does: parsing, JSON, streaming).
 
@@ -69,11 +70,13 @@ LOOP_PARTS = ("output_processing", "http_sse")
 
 
 class Timers:
-    """Cumulative seconds per part; ``steps`` counts the engine steps that ran work."""
+    """Cumulative seconds per part; ``steps`` counts the engine steps that ran work, and
+    ``work_clocks`` holds the clock at each one's start."""
 
     def __init__(self) -> None:
         self.seconds: collections.Counter[str] = collections.Counter()
         self.steps = 0
+        self.work_clocks: list[float] = []
         self.running: list[str] = []  # the parts whose timed calls are under way
 
     def wrap(self, owner, name: str, part: str, not_inside: str | None = None) -> None:
@@ -98,7 +101,7 @@ class Timers:
 
     def snapshot(self) -> dict:
         return {"seconds": dict(self.seconds), "steps": self.steps,
-                "clock": time.perf_counter()}
+                "clock": time.perf_counter(), "work_clocks": list(self.work_clocks)}
 
 
 def instrument_engine(timers: Timers) -> None:
@@ -119,9 +122,11 @@ def instrument_engine(timers: Timers) -> None:
     schedule = Scheduler.schedule
 
     def counting_schedule(self, *args, **kwargs):
+        start = time.perf_counter()
         output = schedule(self, *args, **kwargs)
         if not output.is_empty:
             timers.steps += 1
+            timers.work_clocks.append(start)
         return output
 
     Scheduler.schedule = counting_schedule
@@ -185,7 +190,9 @@ def level_breakdown(before: dict, after: dict, loop_seconds: collections.Counter
     s = collections.Counter(after["seconds"])
     s.subtract(before["seconds"])
     steps = max(after["steps"] - before["steps"], 1)
-    wall = after["clock"] - before["clock"]
+    # from the level's first working step to the end of its last (taken as a mean step)
+    clocks = [c for c in after["work_clocks"] if before["clock"] < c <= after["clock"]]
+    wall = clocks[-1] - clocks[0] + s["step"] / steps if clocks else 0.0
     parts = {
         "schedule": s["schedule"], "prepare": s["prepare"] + s["plan"],
         "matmuls": s["matmuls"], "attention": s["attention"],
@@ -197,7 +204,7 @@ def level_breakdown(before: dict, after: dict, loop_seconds: collections.Counter
         "output_processing": loop_seconds["output_processing"],
         "http_sse": max(loop_cpu - loop_seconds["output_processing"], 0.0),
     })
-    return {"steps": after["steps"] - before["steps"], "wall_s": wall,
+    return {"steps": after["steps"] - before["steps"], "working_wall_s": wall,
             "ms_per_step": {k: 1000 * v / steps for k, v in parts.items()}}
 
 
