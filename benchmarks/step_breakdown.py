@@ -11,8 +11,9 @@ Per level it prints the mean milliseconds per engine step of:
 
 - engine process: scheduling (``Scheduler.schedule``), input preparation (the runner's
   tensors and attention plan), forward (the decoder layers' matmuls, the MLP's SiLU gate
-  with them, attention over the cache, the rest: norms, rotary and the KV store,
-  embedding, residuals), the LM head
+  with them, attention over the cache, the RMSNorms (``RMSNorm`` layers; Qwen3's and Gemma
+  3's per-head q/k norms count in the rest), the rest: rotary and the KV store, embedding,
+  residuals and the forward pass's own Python), the LM head
   (the output projection to the vocabulary), sampling (settings + sampler, log-probabilities
   included where the requests ask for them: ``--logprobs``), update (stop checks,
   outputs), other (the rest of ``EngineCore.step``: sending results, the queue state),
@@ -64,8 +65,8 @@ from tokenmill.server.run import serve
 
 SNAPSHOT_ENV = "STEP_BREAKDOWN_FILE"
 SNAPSHOT_PERIOD_S = 0.2
-ENGINE_PARTS = ("schedule", "prepare", "matmuls", "attention", "forward_rest", "lm_head",
-                "sampling", "update", "other", "idle")
+ENGINE_PARTS = ("schedule", "prepare", "matmuls", "attention", "norms", "forward_rest",
+                "lm_head", "sampling", "update", "other", "idle")
 LOOP_PARTS = ("output_processing", "http_sse")
 
 
@@ -114,6 +115,7 @@ def instrument_engine(timers: Timers) -> None:
     timers.wrap(layers.Linear, "forward", "matmuls", not_inside="lm_head")
     timers.wrap(layers.Linear, "forward_add", "matmuls")
     timers.wrap(layers.GatedLinear, "forward", "matmuls")  # with its SiLU gate
+    timers.wrap(layers.RMSNorm, "forward", "norms")
     timers.wrap(PagedCausalLM, "compute_logits", "lm_head")
     for attention in (NativeDecode, NativePrefill, SdpaDecode, SdpaPrefill):
         timers.wrap(attention, "__call__", "attention")  # after rotary and the store
@@ -195,8 +197,8 @@ def level_breakdown(before: dict, after: dict, loop_seconds: collections.Counter
     wall = clocks[-1] - clocks[0] + s["step"] / steps if clocks else 0.0
     parts = {
         "schedule": s["schedule"], "prepare": s["prepare"] + s["plan"],
-        "matmuls": s["matmuls"], "attention": s["attention"],
-        "forward_rest": s["forward"] - s["matmuls"] - s["attention"] - s["plan"],
+        "matmuls": s["matmuls"], "attention": s["attention"], "norms": s["norms"],
+        "forward_rest": s["forward"] - s["matmuls"] - s["attention"] - s["norms"] - s["plan"],
         "lm_head": s["lm_head"], "sampling": s["sampling"], "update": s["update"]}
     parts["other"] = s["step"] - sum(parts.values())
     parts.update({
