@@ -71,12 +71,11 @@ LOOP_PARTS = ("output_processing", "http_sse")
 
 
 class Timers:
-    """Cumulative seconds per part; ``steps`` counts the engine steps that ran work, and
-    ``work_clocks`` holds the clock at each one's start."""
+    """Cumulative seconds per part; ``work_clocks`` holds the clock at the start of each
+    engine step that ran work (their count is the steps')."""
 
     def __init__(self) -> None:
         self.seconds: collections.Counter[str] = collections.Counter()
-        self.steps = 0
         self.work_clocks: list[float] = []
         self.running: list[str] = []  # the parts whose timed calls are under way
 
@@ -101,8 +100,9 @@ class Timers:
         setattr(owner, name, timed)
 
     def snapshot(self) -> dict:
-        return {"seconds": dict(self.seconds), "steps": self.steps,
-                "clock": time.perf_counter(), "work_clocks": list(self.work_clocks)}
+        clocks = list(self.work_clocks)
+        return {"seconds": dict(self.seconds), "steps": len(clocks),
+                "clock": time.perf_counter(), "work_clocks": clocks}
 
 
 def instrument_engine(timers: Timers) -> None:
@@ -127,7 +127,6 @@ def instrument_engine(timers: Timers) -> None:
         start = time.perf_counter()
         output = schedule(self, *args, **kwargs)
         if not output.is_empty:
-            timers.steps += 1
             timers.work_clocks.append(start)
         return output
 
@@ -193,7 +192,7 @@ def level_breakdown(before: dict, after: dict, loop_seconds: collections.Counter
     s.subtract(before["seconds"])
     steps = max(after["steps"] - before["steps"], 1)
     # from the level's first working step to the end of its last (taken as a mean step)
-    clocks = [c for c in after["work_clocks"] if before["clock"] < c <= after["clock"]]
+    clocks = after["work_clocks"][before["steps"]:after["steps"]]
     wall = clocks[-1] - clocks[0] + s["step"] / steps if clocks else 0.0
     parts = {
         "schedule": s["schedule"], "prepare": s["prepare"] + s["plan"],
