@@ -1,7 +1,6 @@
 """The native integer-activation kernels of a CPU with AVX512-VNNI (``tokenmill.kernels``):
 int8 or 4-bit weights times activations (bfloat16 or float32) quantized to int8 per block
-of 32 inputs (int8 weights) or 16 (4-bit ones), against float64 arithmetic on the values
-both stand for."""
+of 32 inputs, against float64 arithmetic on the values both stand for."""
 
 from __future__ import annotations
 
@@ -11,8 +10,8 @@ import torch
 from tokenmill.kernels.linear import NativeVnniW4A8Weight, NativeW8A8Weight
 from tokenmill.kernels.quantize import quantize_int8_rows, quantize_q4_1_groups
 
-GROUP = 32  # inputs per 4-bit weight scale and minimum
-BLOCKS = {NativeW8A8Weight: 32, NativeVnniW4A8Weight: 16}  # inputs per activation scale
+GROUP = 32  # inputs per 4-bit weight scale and minimum, and per activation scale
+CENTRE = 8  # the 4-bit value whose part of a weight does not see x rounded
 KINDS = (NativeW8A8Weight, NativeVnniW4A8Weight)
 DTYPES = (torch.bfloat16, torch.float32)
 
@@ -37,10 +36,11 @@ def weight_values(kind: type, weight: torch.Tensor) -> torch.Tensor:
 def expected(kind: type, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor,
                                                                          torch.Tensor]:
     """(the product the kernel computes, in float64; how far a rounding of x that falls on
-    a tie, or within float32 error of one, may move it). w4a8 takes each block's minimums
-    times the exact sum of x, so only the scaled part sees x rounded."""
+    a tie, or within float32 error of one, may move it). w4a8 takes each weight as
+    ``scale * (q - 8) + (min + 8 * scale)`` and the second part times the exact sum of x,
+    so only the centred part sees x rounded."""
     m, k = x.shape
-    blocks = x.float().view(m, -1, BLOCKS[kind])
+    blocks = x.float().view(m, -1, GROUP)
     amax = blocks.abs().amax(-1, keepdim=True)
     scaled = blocks * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
     d = (amax / 127).double()
@@ -50,9 +50,10 @@ def expected(kind: type, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.T
         out = xq @ w.T
     else:
         q, scales, mins = quantize_q4_1_groups(weight, GROUP, torch.float16)
-        scaled_part = q.double() * scales.double().repeat_interleave(GROUP, 1)
-        out = xq @ scaled_part.T + x.double().view(m, -1, GROUP).sum(-1) @ mins.double().T
-        w = scaled_part
+        centred = (q.double() - CENTRE) * scales.double().repeat_interleave(GROUP, 1)
+        rest = mins.double() + CENTRE * scales.double()
+        out = xq @ centred.T + x.double().view(m, -1, GROUP).sum(-1) @ rest.T
+        w = centred
     near_tie = ((scaled - scaled.floor() - 0.5).abs() < 1e-3).double() * d
     slack = near_tie.view(m, k) @ w.abs().T
     return out, slack

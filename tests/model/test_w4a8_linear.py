@@ -1,5 +1,5 @@
 """The native w4a8 kernel (``tokenmill.kernels``, CPUs with AVX2, FMA and F16C): 4-bit weights
-times activations quantized to int8 per block of 16 inputs, against float64 arithmetic on
+times activations quantized to int8 per group of 32 inputs, against float64 arithmetic on
 the values both stand for."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 from tokenmill.kernels.linear import NativeW4A8Weight
 from tokenmill.kernels.quantize import quantize_q4_1_panels
 
-BLOCK = 16  # inputs per activation scale
-GROUP = NativeW4A8Weight.GROUP
+GROUP = NativeW4A8Weight.GROUP  # inputs per weight scale and minimum, and per activation scale
+CENTRE = 8  # the 4-bit value whose part of a weight does not see x rounded
 
 
 @pytest.fixture
@@ -31,21 +31,20 @@ def weight_values(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 def expected(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the product the kernel computes, in float64; how far a rounding of x that falls
-    on a tie, or within float32 error of one, may move it)."""
+    on a tie, or within float32 error of one, may move it). Each weight is taken as
+    ``scale * (q - 8) + (min + 8 * scale)``, the second part times the exact sum of x, so
+    only the centred part sees x rounded."""
     m, k = x.shape
     q, scales, mins = weight_values(weight)
-    blocks = x.reshape(m, -1, BLOCK)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    scaled = blocks * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    xq = scaled.round().double()
-    d = (amax / 127).double().squeeze(-1)  # [m, blocks]
-    step = scales.repeat_interleave(GROUP // BLOCK, dim=1)  # weight scale per block
-    dots = torch.einsum("mbi,nbi->mnb", xq, q.view(q.shape[0], -1, BLOCK))
-    out = (dots * d[:, None, :] * step[None]).sum(-1)
-    out += x.double().view(m, -1, GROUP).sum(-1) @ mins.T
-    near_tie = ((scaled - scaled.floor() - 0.5).abs() < 1e-3).double()  # [m, blocks, BLOCK]
-    w_abs = (q * scales.repeat_interleave(GROUP, dim=1)).abs().view(q.shape[0], -1, BLOCK)
-    slack = torch.einsum("mbi,nbi->mnb", near_tie * d[..., None], w_abs).sum(-1)
+    groups = x.reshape(m, -1, GROUP)
+    amax = groups.abs().amax(-1, keepdim=True)
+    scaled = groups * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    d = (amax / 127).double()  # [m, groups, 1]
+    xq = (scaled.round().double() * d).view(m, k)
+    centred = (q - CENTRE) * scales.repeat_interleave(GROUP, dim=1)
+    out = xq @ centred.T + x.double().view(m, -1, GROUP).sum(-1) @ (mins + CENTRE * scales).T
+    near_tie = ((scaled - scaled.floor() - 0.5).abs() < 1e-3).double() * d
+    slack = near_tie.view(m, k) @ centred.abs().T
     return out, slack
 
 
@@ -71,7 +70,7 @@ def test_w4a8_matches_exact_arithmetic_on_quantized_values(ops, rows, out_featur
     bias = torch.randn(out_features, generator=gen)
     fmt = NativeW4A8Weight(ops, weight, bias)
     x = torch.randn(rows, 2 * in_features, generator=gen)[:, in_features:]  # strided rows
-    x[0, :BLOCK] = 0  # a block of zeros has no scale
+    x[0, :GROUP] = 0  # a group of zeros has no scale
     residual = torch.randn(rows, out_features, generator=gen)
     assert_matches(fmt(x), x, weight, bias)
     assert_matches(fmt.add(x, residual), x, weight, bias + residual)

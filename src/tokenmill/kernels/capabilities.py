@@ -32,11 +32,11 @@ class KernelCapabilities:
     int4 weights, float32 activations (AVX2 and FMA without AVX-512F: where oneDNN has
     AVX-512 its own kernels are twice this one's peak)."""
     w4a8_linear: bool
-    """4-bit weights times float32 activations quantized to int8 per block of 16 inputs,
+    """4-bit weights times float32 activations quantized to int8 per group of 32 inputs,
     multiplied as integers (AVX2, FMA and F16C)."""
     vnni_linear: bool
     """int8 or 4-bit weights times bfloat16 or float32 activations quantized to int8 per
-    block of 32 or 16 inputs, multiplied as integers (AVX512-VNNI)."""
+    block of 32 inputs, multiplied as integers (AVX512-VNNI)."""
     prefill_attention_head_dims: frozenset[int]
     """Head sizes of the causal prefill attention kernel, bfloat16 only (AVX512-BF16);
     empty without it."""

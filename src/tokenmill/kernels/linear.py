@@ -212,7 +212,7 @@ class NativeInt4PlanesWeight:
 class NativeW4A8Weight(GroupParamsWeight):
     """4-bit weights in Q4_1's form with float16 scales and minimums (a Q4_1 file's own
     values, exactly) for ``w4a8_linear``, which quantizes the float32 activations to int8
-    per block of 16 inputs at every call and multiplies integers (AVX2). Panels of 16
+    per group of 32 inputs at every call and multiplies integers (AVX2). Panels of 16
     outputs in records of 4 inputs: byte ``4 o + j`` of record ``r`` holds input ``4 r + j``
     of output ``o`` in its low nibble and of output ``8 + o`` in its high one;
     ``group_params [panels, K / GROUP, 2, 16]`` the scales, then the minimums, of each
@@ -271,7 +271,7 @@ class NativeW8A8Weight(ScaledWeight):
 class NativeVnniW4A8Weight(GroupParamsWeight):
     """4-bit weights in Q4_1's form with float16 scales and minimums (a Q4_1 file's own
     values, exactly) for ``vnni_w4a8_linear``, which quantizes the activations (bfloat16 or
-    float32) to int8 per block of 16 inputs at every call and multiplies integers
+    float32) to int8 per group of 32 inputs at every call and multiplies integers
     (AVX512-VNNI). ``_records``' layout with the panel's two halves in one byte, ``[panels,
     K * 16]`` bytes: output ``o`` in the low nibble, ``16 + o`` in the high one;
     ``group_params [panels, K / GROUP, 2, 32]`` the scales, then the minimums, of each

@@ -123,8 +123,9 @@ class Int4Linear(Protocol):
 class W4A8Linear(Protocol):
     def __call__(self, x: Tensor, packed: Tensor, group_params: Tensor, out_features: int,
                  bias: Tensor | None, residual: Tensor | None) -> Tensor:
-        """``FloatLinear`` over 4-bit weights with ``x`` quantized to int8 per block of 16
-        inputs: ``linear.NativeW4A8Weight``'s layout (float32 ``x``) or
+        """``FloatLinear`` over 4-bit weights with ``x`` quantized to int8 per group of 32
+        inputs (the weights' groups, whose values are centred on 8 against the rounding):
+        ``linear.NativeW4A8Weight``'s layout (float32 ``x``) or
         ``linear.NativeVnniW4A8Weight``'s (bfloat16 or float32)."""
         ...
 

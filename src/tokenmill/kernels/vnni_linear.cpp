@@ -6,21 +6,27 @@
 //       -> x~ @ (q * scale).T (+ bias) (+ residual), q int8, a float32 scale per output
 //   vnni_w4a8_linear(x [M, K], packed, group_params, N, bias?, residual?, gated=False)
 //       -> x~ @ (q * scale + min).T (+ bias) (+ residual), q in 0..15, a float16 scale
-//          and minimum per kGroup (32) inputs of an output (GGUF Q4_1's form, in its dtypes)
+//          and minimum per kBlock (32) inputs of an output (GGUF Q4_1's form, in its dtypes)
 //
 // x is bfloat16 or float32, and so are bias, residual and the output. With gated=True (no
 // bias or residual, N a multiple of 32) each panel's two halves are 16 gate outputs and the
 // same 16 up outputs of a gated MLP (its gate/up rows interleaved in blocks of 16,
 // linear.interleave_gate_up) and the call returns silu(gate) * up [M, N / 2] from the
 // float32 outputs, rounded once. Activations: each
-// row of x is quantized per block of inputs at every call (32 for w8a8, 16 for w4a8: the
-// kinds' kActBlock), x~ = d * round(x / d) with d = max|x| / 127 over the block (round to
-// nearest even). Then
+// row of x is quantized per block of kBlock (32) inputs at every call, x~ = d * round(x /
+// d) with d = max|x| / 127 over the block (round to nearest even). Then
 //
 //   w8a8: y[m, n] = scale[n] * (sum over blocks b: d[m, b] * sum (q[n, k] + 128) xq[m, k]
 //                               - c[m]),   c[m] = 128 * sum over b: d[m, b] * sum xq[m, k]
-//   w4a8: y[m, n] = sum over blocks b: scale[n, g(b)] * d[m, b] * sum q[n, k] xq[m, k]
-//                 + sum over groups g: min[n, g] * sum x[m, k]   (float32 sums of x)
+//   w4a8: y[m, n] = sum over blocks b: scale[n, b] * (d[m, b] * sum q[n, k] xq[m, k]
+//                                                   + e[m, b])
+//                                      + min[n, b] * s[m, b]
+//         s[m, b] = sum over the block of x[m, k] (float32), e[m, b] = 8 * (s[m, b] - d[m, b]
+//         * sum over the block of xq[m, k]); that is, sum over k of scale * (q - 8) * x~ +
+//         (min + 8 * scale) * x: only the centred part of a 4-bit weight, q - 8 in -8..7,
+//         sees x rounded (its rounding errors mostly cancel, where q's mean of 7.5 would add
+//         them up: the embedded model's mean KL divergence from float32 0.005, against
+//         0.029 for the same blocks uncentred).
 //
 // VPDPBUSD multiplies unsigned bytes by signed ones: 4-bit weights are unsigned already,
 // int8 weights are stored plus 128 (1..255) and c takes the 128s out again. The integer
@@ -34,13 +40,15 @@
 //         scales [panels * 32] float32.
 //   w4a8: packed [panels, K / 4, 16, 4] uint8: [p][r][o][j] = q[32 p + o][4 r + j]
 //         | q[32 p + 16 + o][4 r + j] << 4 (one register; the nibbles are its two halves);
-//         group_params [panels, K / kGroup, 2, 32] float16: per group, the 32 outputs'
+//         group_params [panels, K / kBlock, 2, 32] float16: per block, the 32 outputs'
 //         scales, then their minimums.
 //
 // Threads split the panels; each streams its panels in order and requests the next one
 // (its weights and, for w4a8, its group_params) into cache while it multiplies. Rows go
 // through in chunks of at most kMaxRows (their int32 and float32 sums in registers); later
-// chunks find the panel in cache.
+// chunks find the panel in cache. With more than one chunk, a 4-bit panel is widened once
+// to w8a8's record layout (bytes 0..15, one register per half) in a buffer of its thread,
+// and every chunk multiplies that.
 //
 // Built for CPUs with AVX512-VNNI (and AVX512-BW); elsewhere these ops do not exist.
 #include <ATen/ATen.h>
@@ -61,6 +69,7 @@
 #include <optional>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
     defined(__F16C__)
@@ -72,7 +81,9 @@ using tokenmill::load_bf16;
 using tokenmill::round_to_bf16;
 
 constexpr int64_t kPanel = 32;  // outputs per panel
-constexpr int64_t kGroup = 32;  // inputs per w4a8 weight scale and minimum; K's multiple
+// inputs per activation scale and per w4a8 weight scale and minimum; K's multiple
+constexpr int64_t kBlock = 32;
+constexpr int64_t kRecords = kBlock / 4;  // of 4 inputs each, a block's
 constexpr int kMaxRows = 6;  // the largest of the weight kinds' kMaxRows
 
 int64_t panels_for(int64_t n) { return (n + kPanel - 1) / kPanel; }
@@ -101,14 +112,14 @@ inline bool finite(float v) {
   return (bits & 0x7f800000u) != 0x7f800000u;
 }
 
-// The activations of one call, quantized: xq [M, K] int8; d [M, K / W::kActBlock], the
-// blocks' scales (NaN for a block holding a NaN or an infinity, 0 for one of zeros); in
-// `sums`, per row either the float32 sums of x per kGroup inputs (w4a8's minimums,
-// [M, K / kGroup]) or c (w8a8's 128s, [M]).
+// The activations of one call, quantized: xq [M, K] int8; per row and block, W::kBlockFloats
+// float32 values [M, K / kBlock, W::kBlockFloats]: the block's scale d (NaN for a block
+// holding a NaN or an infinity, 0 for one of zeros), then w4a8's e and s; and per row w8a8's
+// c ([M]; w4a8: unused).
 struct QuantizedRows {
   const int8_t* xq;
-  const float* d;
-  const float* sums;
+  const float* blocks;
+  const float* c;
   int64_t k;
 };
 
@@ -116,74 +127,86 @@ struct QuantizedRows {
 // of 16 outputs x 4 inputs that VPDPBUSD takes, and what a block's int32 sums add to the
 // float32 ones.
 struct W8 {
-  static constexpr int64_t kActBlock = 32;
   static constexpr int64_t kRecordBytes = 128;
+  static constexpr int64_t kBlockFloats = 1;  // d
   static constexpr int kMaxRows = 6;  // 2 int32 and 2 float32 sums a row in registers
   static constexpr bool kPinSums = false;  // GCC keeps them in registers unasked
-  static constexpr bool kGroupSums = false;
   static inline void load(const uint8_t* record, __m512i& lo, __m512i& hi) {
     lo = _mm512_loadu_si512(record);
     hi = _mm512_loadu_si512(record + 64);
   }
-  struct GroupParams {};
-  static inline GroupParams params_of(const uint16_t*) { return {}; }
+  struct BlockParams {};
+  static inline BlockParams params_of(const uint16_t*) { return {}; }
   // acc += sums * d (the weight scale comes last, per output)
-  static inline __m512 add_block(__m512 acc, __m512i sums, float d, const GroupParams&, int) {
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(d), acc);
+  static inline __m512 add_block(__m512 acc, __m512i sums, const float* row_block,
+                                 const BlockParams&, int) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(row_block[0]), acc);
   }
 };
 
 struct W4 {
-  // Blocks of 32 inputs raised the embedded model's perplexity by 1.8% (int8 weights: by
-  // 0.01%), blocks of 16 by about 1%.
-  static constexpr int64_t kActBlock = 16;
   static constexpr int64_t kRecordBytes = 64;
-  static constexpr int kMaxRows = 4;  // and a group's scales and minimums
+  static constexpr int64_t kBlockFloats = 3;  // d, e, s
+  static constexpr int kMaxRows = 4;  // and a block's scales and minimums
   // An empty asm statement after each row's products keeps its sums in registers, taking
   // products one record at a time: without it GCC interleaves a block's records and
   // spills (2x slower). (With the int8 kind it makes GCC spill instead.)
   static constexpr bool kPinSums = true;
-  static constexpr bool kGroupSums = true;
   static inline void load(const uint8_t* record, __m512i& lo, __m512i& hi) {
     const __m512i v = _mm512_loadu_si512(record), nibble = _mm512_set1_epi8(0x0f);
     lo = _mm512_and_si512(v, nibble);
     hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
   }
-  // A group's scales and minimums, per half of the panel, from its [2, 32] float16.
-  struct GroupParams {
+  // A block's weight scales and minimums, per half of the panel, from its [2, 32] float16.
+  struct BlockParams {
     __m512 scale[2], min[2];
   };
-  static inline GroupParams params_of(const uint16_t* params) {
+  static inline BlockParams params_of(const uint16_t* params) {
     const auto half = [&](int64_t offset) {
       return _mm512_cvtph_ps(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + offset)));
     };
     return {{half(0), half(16)}, {half(kPanel), half(kPanel + 16)}};
   }
-  // acc += sums * (scale * d)
-  static inline __m512 add_block(__m512 acc, __m512i sums, float d, const GroupParams& params,
-                                 int h) {
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums),
-                           _mm512_mul_ps(params.scale[h], _mm512_set1_ps(d)), acc);
-  }
-  // acc += min * (the group's sum of x)
-  static inline __m512 add_minimums(__m512 acc, float x_sum, const GroupParams& params,
-                                    int h) {
-    return _mm512_fmadd_ps(params.min[h], _mm512_set1_ps(x_sum), acc);
+  // acc += scale * (sums * d + e) + min * s
+  static inline __m512 add_block(__m512 acc, __m512i sums, const float* row_block,
+                                 const BlockParams& params, int h) {
+    const __m512 centred = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums),
+                                           _mm512_set1_ps(row_block[0]),
+                                           _mm512_set1_ps(row_block[1]));
+    acc = _mm512_fmadd_ps(centred, params.scale[h], acc);
+    return _mm512_fmadd_ps(params.min[h], _mm512_set1_ps(row_block[2]), acc);
   }
 };
 
-// Row r of x, block by block: int8 values into xq, the scales into d, and into sums those
-// of W's kind (QuantizedRows).
+// A 4-bit panel widened once to W8's record layout (unpack_panel): the same sums and
+// epilogue as W4, two plain loads a record, more rows at a time.
+struct W4Widened : W4 {
+  static constexpr int64_t kRecordBytes = W8::kRecordBytes;
+  static constexpr int kMaxRows = 6;
+  static inline void load(const uint8_t* record, __m512i& lo, __m512i& hi) {
+    W8::load(record, lo, hi);
+  }
+};
+
+// The 4-bit panel at src ([K / 4, 64] bytes) as W4Widened's records ([K / 4, 128]) at dst.
+inline void unpack_panel(const uint8_t* src, int64_t k, uint8_t* dst) {
+  for (int64_t r = 0; r < k / 4; ++r) {
+    __m512i lo, hi;
+    W4::load(src + r * W4::kRecordBytes, lo, hi);
+    _mm512_storeu_si512(dst + r * W8::kRecordBytes, lo);
+    _mm512_storeu_si512(dst + r * W8::kRecordBytes + 64, hi);
+  }
+}
+
+// Row r of x, block by block: int8 values into xq, W's kBlockFloats per block into
+// `blocks` and (W8) c into *c (QuantizedRows).
 template <typename W, typename T>
-void quantize_row(const T* x, int64_t k, int8_t* xq, float* d, float* sums) {
-  constexpr int64_t kBlock = W::kActBlock;
-  static_assert(kBlock == 16 || kBlock == 32, "one or two registers a block");
+void quantize_row(const T* x, int64_t k, int8_t* xq, float* blocks, float* c) {
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-  float c = 0.f, group_sum = 0.f;
+  float c_sum = 0.f;
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    const __m512 lo = load_floats(x + b * kBlock, 16);
-    const __m512 hi = kBlock == 32 ? load_floats(x + b * kBlock + 16, 16) : _mm512_setzero_ps();
+    const __m512 lo = load_floats(x + b * kBlock, 16), hi = load_floats(x + b * kBlock + 16, 16);
     const float amax = _mm512_reduce_max_ps(
         _mm512_max_ps(_mm512_and_ps(lo, abs_mask), _mm512_and_ps(hi, abs_mask)));
     const float sum = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
@@ -193,23 +216,20 @@ void quantize_row(const T* x, int64_t k, int8_t* xq, float* d, float* sums) {
     const __m512i q_lo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
     const __m512i q_hi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock), _mm512_cvtepi32_epi8(q_lo));
-    if constexpr (kBlock == 32) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock + 16),
-                       _mm512_cvtepi32_epi8(q_hi));
-    }
-    const float scale = ok ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
-    d[b] = scale;
-    if constexpr (W::kGroupSums) {
-      group_sum += sum;
-      if ((b + 1) * kBlock % kGroup == 0) {
-        sums[(b + 1) * kBlock / kGroup - 1] = group_sum;
-        group_sum = 0.f;
-      }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock + 16),
+                     _mm512_cvtepi32_epi8(q_hi));
+    const float d = ok ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
+    const auto q_sum = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi)));
+    float* block = blocks + b * W::kBlockFloats;
+    block[0] = d;
+    if constexpr (W::kBlockFloats == 3) {
+      block[1] = 8.f * (sum - d * q_sum);
+      block[2] = sum;
     } else {
-      c += scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi)));
+      c_sum += d * q_sum;
     }
   }
-  if constexpr (!W::kGroupSums) *sums = 128.f * c;
+  if constexpr (W::kBlockFloats == 1) *c = 128.f * c_sum;
 }
 
 // The panel to request into cache while one is multiplied: its weights and (w4a8) its
@@ -218,6 +238,7 @@ void quantize_row(const T* x, int64_t k, int8_t* xq, float* d, float* sums) {
 struct NextPanel {
   const char* weights;
   const char* params;
+  int64_t block_bytes;  // of its weights: a block's records as packed
 };
 
 // Rows [row, row + ROWS) of the call times one panel: acc[r][h] = outputs 16 h .. 16 h + 15
@@ -225,19 +246,18 @@ struct NextPanel {
 template <typename W, int ROWS>
 inline void panel_kernel(const QuantizedRows& xr, int64_t row, const uint8_t* panel,
                          const uint16_t* params, NextPanel ahead, __m512 (&acc)[kMaxRows][2]) {
-  constexpr int64_t kRecords = W::kActBlock / 4, kBlockBytes = kRecords * W::kRecordBytes;
-  const int64_t k = xr.k, blocks = k / W::kActBlock, groups = k / kGroup;
+  constexpr int64_t kBlockBytes = kRecords * W::kRecordBytes;
+  const int64_t k = xr.k, blocks = k / kBlock;
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int8_t* x = xr.xq + row * k;
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = panel + b * kBlockBytes;
     if (ahead.weights) {  // the next panel's same block, a cache line at a time
-      for (int64_t line = 0; line < kBlockBytes; line += 64) {
-        _mm_prefetch(ahead.weights + b * kBlockBytes + line, _MM_HINT_T1);
+      for (int64_t line = 0; line < ahead.block_bytes; line += 64) {
+        _mm_prefetch(ahead.weights + b * ahead.block_bytes + line, _MM_HINT_T1);
       }
-      // and its parameters of the group the block starts (2 x 32 float16: two lines)
-      if (ahead.params && b * W::kActBlock % kGroup == 0) {
-        const char* group = ahead.params + b * W::kActBlock / kGroup * 2 * kPanel * 2;
+      if (ahead.params) {  // and its parameters of the block (2 x 32 float16: two lines)
+        const char* group = ahead.params + b * 2 * kPanel * 2;
         _mm_prefetch(group, _MM_HINT_T1);
         _mm_prefetch(group + 64, _MM_HINT_T1);
       }
@@ -247,7 +267,7 @@ inline void panel_kernel(const QuantizedRows& xr, int64_t row, const uint8_t* pa
     for (int64_t i = 0; i < kRecords; ++i) {
       __m512i lo, hi;
       W::load(block + i * W::kRecordBytes, lo, hi);
-      const int8_t* xi = x + b * W::kActBlock + 4 * i;
+      const int8_t* xi = x + b * kBlock + 4 * i;
       for (int r = 0; r < ROWS; ++r) {
         int32_t four;
         std::memcpy(&four, xi + r * k, sizeof(four));
@@ -257,20 +277,12 @@ inline void panel_kernel(const QuantizedRows& xr, int64_t row, const uint8_t* pa
         if constexpr (W::kPinSums) __asm__("" : "+v"(sums[r][0]), "+v"(sums[r][1]));
       }
     }
-    const int64_t g = b * W::kActBlock / kGroup;
-    const bool group_ends = (b + 1) * W::kActBlock % kGroup == 0;
-    const typename W::GroupParams group_params =
-        W::params_of(params ? params + g * 2 * kPanel : nullptr);
+    const typename W::BlockParams block_params =
+        W::params_of(params ? params + b * 2 * kPanel : nullptr);
     for (int r = 0; r < ROWS; ++r) {
-      const float d = xr.d[(row + r) * blocks + b];
+      const float* row_block = xr.blocks + ((row + r) * blocks + b) * W::kBlockFloats;
       for (int h = 0; h < 2; ++h) {
-        acc[r][h] = W::add_block(acc[r][h], sums[r][h], d, group_params, h);
-        if constexpr (W::kGroupSums) {
-          if (group_ends) {
-            acc[r][h] = W::add_minimums(acc[r][h], xr.sums[(row + r) * groups + g],
-                                        group_params, h);
-          }
-        }
+        acc[r][h] = W::add_block(acc[r][h], sums[r][h], row_block, block_params, h);
       }
     }
   }
@@ -293,7 +305,7 @@ template <typename T>
 inline __m512 weight_scaled(__m512 sums, const QuantizedRows& xr, int64_t row,
                             const Output<T>& o, int64_t col) {
   if (!o.scales) return sums;
-  return _mm512_mul_ps(_mm512_sub_ps(sums, _mm512_set1_ps(xr.sums[row])),
+  return _mm512_mul_ps(_mm512_sub_ps(sums, _mm512_set1_ps(xr.c[row])),
                        _mm512_loadu_ps(o.scales + col));
 }
 
@@ -347,53 +359,74 @@ const T* data_of(const at::Tensor& t) {
   }
 }
 
+// Rows 0 .. m of the call times panel p, in chunks of nearly equal sizes, at most
+// W::kMaxRows each; the first chunk requests `next` into cache.
+template <typename W, typename T>
+void rows_times_panel_in_chunks(const QuantizedRows& xr, int64_t m, const uint8_t* panel,
+                                const uint16_t* params, NextPanel next, int64_t p,
+                                const Output<T>& o) {
+  const int64_t chunks = (m + W::kMaxRows - 1) / W::kMaxRows;
+  for (int64_t c = 0, row = 0; c < chunks; ++c) {
+    const int64_t rows = (m - row) / (chunks - c);
+    kRowsFns<W, T>[rows - 1](xr, row, panel, params, c == 0 ? next : NextPanel{}, p, o);
+    row += rows;
+  }
+}
+
 template <typename W, typename T>
 void linear(const at::Tensor& x, const at::Tensor& packed, const float* scales,
             const uint16_t* params, const std::optional<at::Tensor>& bias,
             const std::optional<at::Tensor>& residual, bool gated, at::Tensor& out) {
-  const int64_t m = x.size(0), k = x.size(1), blocks = k / W::kActBlock;
+  const int64_t m = x.size(0), k = x.size(1), blocks = k / kBlock;
   const int64_t n = gated ? 2 * out.size(1) : out.size(1);
-  const int64_t groups = k / kGroup;
-  // One scratch allocation for the quantized rows: scales and sums (float32), then the
-  // int8 values.
-  const int64_t scale_count = m * blocks, sum_count = W::kGroupSums ? m * groups : m;
-  at::Tensor scratch = at::empty({(scale_count + sum_count) * 4 + m * k},
-                                 x.options().dtype(at::kByte));
-  auto* d = reinterpret_cast<float*>(scratch.data_ptr<uint8_t>());
-  float* sums = d + scale_count;
-  auto* xq = reinterpret_cast<int8_t*>(sums + sum_count);
+  // One scratch allocation for the quantized rows: the blocks' floats and c (float32),
+  // then the int8 values.
+  const int64_t block_floats = m * blocks * W::kBlockFloats;
+  at::Tensor scratch = at::empty({(block_floats + m) * 4 + m * k}, x.options().dtype(at::kByte));
+  auto* row_blocks = reinterpret_cast<float*>(scratch.data_ptr<uint8_t>());
+  float* c = row_blocks + block_floats;
+  auto* xq = reinterpret_cast<int8_t*>(c + m);
   const T* xs = data_of<T>(x);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      quantize_row<W>(xs + r * x.stride(0), k, xq + r * k, d + r * blocks,
-                      sums + (W::kGroupSums ? r * groups : r));
+      quantize_row<W>(xs + r * x.stride(0), k, xq + r * k,
+                      row_blocks + r * blocks * W::kBlockFloats, c + r);
     }
   });
-  const QuantizedRows xr{xq, d, sums, k};
+  const QuantizedRows xr{xq, row_blocks, c, k};
   const Output<T> o{scales, bias ? data_of<T>(*bias) : nullptr,
                     residual ? data_of<T>(*residual) : nullptr,
                     residual ? residual->stride(0) : 0,
                     reinterpret_cast<T*>(out.data_ptr()), n, gated};
   const auto* weights = packed.data_ptr<uint8_t>();
-  const int64_t panel_bytes = k / 4 * W::kRecordBytes, panel_params = groups * 2 * kPanel;
-  const int64_t chunks = (m + W::kMaxRows - 1) / W::kMaxRows;  // of nearly equal sizes
+  const int64_t panel_bytes = k / 4 * W::kRecordBytes, panel_params = blocks * 2 * kPanel;
+  // 4-bit panels are widened once when more than one chunk of rows multiplies them
+  constexpr bool kWidens = std::is_same_v<W, W4>;
+  const bool widen = kWidens && m > W::kMaxRows;
   tokenmill::parallel_batches(panels_for(n), [&](int64_t begin, int64_t end,
                                                  int64_t following) {
+    thread_local std::vector<uint8_t> widened;
+    if (widen) widened.resize(k / 4 * W8::kRecordBytes);
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* panel = weights + p * panel_bytes;
+      const uint16_t* panel_params_at = params ? params + p * panel_params : nullptr;
       const int64_t next_p = p + 1 < end ? p + 1 : following;
       const NextPanel next =
-          next_p < 0 ? NextPanel{nullptr, nullptr}
+          next_p < 0 ? NextPanel{}
                      : NextPanel{reinterpret_cast<const char*>(weights + next_p * panel_bytes),
                                  params ? reinterpret_cast<const char*>(
                                               params + next_p * panel_params)
-                                        : nullptr};
-      for (int64_t c = 0, row = 0; c < chunks; ++c) {
-        const int64_t rows = (m - row) / (chunks - c);
-        kRowsFns<W, T>[rows - 1](xr, row, panel, params ? params + p * panel_params : nullptr,
-                                 c == 0 ? next : NextPanel{nullptr, nullptr}, p, o);
-        row += rows;
+                                        : nullptr,
+                                 kRecords * W::kRecordBytes};
+      if constexpr (kWidens) {
+        if (widen) {
+          unpack_panel(panel, k, widened.data());
+          rows_times_panel_in_chunks<W4Widened, T>(xr, m, widened.data(), panel_params_at,
+                                                   next, p, o);
+          continue;
+        }
       }
+      rows_times_panel_in_chunks<W, T>(xr, m, panel, panel_params_at, next, p, o);
     }
   });
 }
@@ -409,7 +442,7 @@ at::Tensor checked_linear(const at::Tensor& x, const at::Tensor& packed, const f
                   (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "x must be [M, K] bfloat16 or float32 with contiguous rows");
   const int64_t m = x.size(0), k = x.size(1), panels = panels_for(out_features);
-  TORCH_CHECK(k % kGroup == 0, "x must be [M, K] with K a multiple of ", kGroup);
+  TORCH_CHECK(k % kBlock == 0, "x must be [M, K] with K a multiple of ", kBlock);
   TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
                   packed.size(0) == panels && packed.size(1) == k / 4 * W::kRecordBytes,
               "packed must be ", layout, "'s packing of an [out_features, K] weight");
@@ -446,10 +479,10 @@ at::Tensor vnni_w4a8_linear(const at::Tensor& x, const at::Tensor& packed,
                             const std::optional<at::Tensor>& residual, bool gated) {
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
   TORCH_CHECK(group_params.dim() == 4 && group_params.size(0) == panels_for(out_features) &&
-                  group_params.size(1) * kGroup == x.size(1) && group_params.size(2) == 2 &&
+                  group_params.size(1) * kBlock == x.size(1) && group_params.size(2) == 2 &&
                   group_params.size(3) == kPanel && group_params.is_contiguous() &&
                   group_params.scalar_type() == at::kHalf,
-              "group_params must be [panels, K / ", kGroup, ", 2, ", kPanel, "] float16");
+              "group_params must be [panels, K / ", kBlock, ", 2, ", kPanel, "] float16");
   return checked_linear<W4>(x, packed, nullptr,
                             reinterpret_cast<const uint16_t*>(group_params.data_ptr()),
                             out_features, bias, residual, gated,

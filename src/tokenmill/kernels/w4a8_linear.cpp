@@ -5,18 +5,20 @@
 //
 // Weights: 4-bit values q in 0..15 with a float16 scale and minimum per group of kGroup
 // (32) inputs of an output row, w = q * scale + min (GGUF Q4_1's form, in its dtypes).
-// Activations: each row of x is quantized per block of kActBlock (16) inputs to int8 at
-// every call, x~ = d * round(x / d) with d = max|x| / 127 over the block (round to
-// nearest even), and the minimums' part of the product is taken with the exact float32
-// sums of x:
+// Activations: each row of x is quantized per group of kGroup (32) inputs to int8 at
+// every call, x~ = d * round(x / d) with d = max|x| / 127 over the group (round to
+// nearest even). Each weight is taken as scale * (q - 8) + (min + 8 * scale): only its
+// centred part sees x rounded (the rounding errors mostly cancel against q - 8 in -8..7,
+// where q's mean of 7.5 would add them up), the rest multiplies the exact float32 sums of
+// x:
 //
-//   y[m, n] = sum over groups g of
-//               scale[n, g] * (sum over blocks b of g: d[m, b] * sum q[n, k] * xq[m, k])
-//             + min[n, g] * sum over k in g of x[m, k]
+//   y[m, n] = sum over groups g of scale[n, g] * (d[m, g] * sum q[n, k] * xq[m, k] + e[m, g])
+//                                  + min[n, g] * s[m, g]
+//   s[m, g] = sum over k in g of x[m, k],  e[m, g] = 8 * (s[m, g] - d[m, g] * sum xq[m, k])
 //
-// The integer products are exact (VPMADDUBSW: unsigned 4-bit values times signed bytes,
-// summed in 16 bits: at most 8 products of 15 x 127 per lane, no saturation); the rest is
-// float32. This is what a CPU without fast bfloat16 arithmetic does fastest: one
+// (vnni_linear.cpp's w4a8 computes the same.) The integer products are exact (VPMADDUBSW:
+// unsigned 4-bit values times signed bytes, summed in 16 bits: at most 16 products of 15 x
+// 127 per lane, 30480, no saturation); the rest is float32. This is what a CPU without fast bfloat16 arithmetic does fastest: one
 // VPMADDUBSW multiplies 32 pairs, four times what one float32 FMA does. The cost is the
 // rounding of the activations, which ``benchmarks/accuracy.py`` measures.
 //
@@ -62,10 +64,9 @@ using tokenmill::load_lanes;
 using tokenmill::store_lanes;
 
 constexpr int64_t kPanel = 16;     // outputs per panel
-constexpr int64_t kGroup = 32;     // inputs per weight scale and minimum
-constexpr int64_t kActBlock = 16;  // inputs per activation scale
+constexpr int64_t kGroup = 32;     // inputs per weight scale and minimum, and per activation scale
 constexpr int64_t kRecord = 32;    // bytes per record: 4 inputs x 16 outputs x 4 bits
-constexpr int64_t kRecordsPerBlock = kActBlock / 4;
+constexpr int64_t kRecordsPerGroup = kGroup / 4;
 constexpr int kMaxRows = 4;
 
 int64_t panels_for(int64_t n) { return (n + kPanel - 1) / kPanel; }
@@ -75,12 +76,16 @@ inline __m256 half_lanes(const uint16_t* src) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
 }
 
-// The activations of one call, quantized: xq [M, K] int8, d [M, K / kActBlock] (the
-// blocks' scales; NaN for a block holding a NaN or an infinity), sums [M, K / kGroup].
+// One group of a row's activations, quantized: its scale d (NaN when the group holds a NaN
+// or an infinity, 0 when all are 0), e and s (above).
+struct GroupActivations {
+  float d, e, s;
+};
+
+// The activations of one call, quantized: xq [M, K] int8, groups [M, K / kGroup].
 struct QuantizedRows {
   const int8_t* xq;
-  const float* d;
-  const float* sums;
+  const GroupActivations* groups;
   int64_t k;
 };
 
@@ -106,74 +111,83 @@ inline float sum_lanes(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// One block of kActBlock (16) inputs at src: its int8 values into dst, its scale (NaN
-// when it holds a NaN or an infinity, 0 when all are 0) and its float32 sum.
-inline void quantize_block(const float* src, int8_t* dst, float& scale, float& sum) {
-  static_assert(kActBlock == 16, "two registers a block");
-  const __m256 lo = _mm256_loadu_ps(src), hi = _mm256_loadu_ps(src + 8);
+// The sum of v's 32-bit integer lanes.
+inline int32_t sum_int_lanes(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
+// One group of kGroup (32) inputs at src: its int8 values into dst, the rest into `group`.
+inline void quantize_group(const float* src, int8_t* dst, GroupActivations& group) {
+  static_assert(kGroup == 32, "four registers a group");
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(src + 8 * i);
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  const float amax = max_lane(_mm256_max_ps(_mm256_and_ps(lo, abs_mask),
-                                            _mm256_and_ps(hi, abs_mask)));
-  sum = sum_lanes(_mm256_add_ps(lo, hi));
-  const bool ok = finite(sum);  // a NaN or an infinity in the block makes its sum one
+  const auto abs = [&](__m256 a) { return _mm256_and_ps(a, abs_mask); };
+  const float amax = max_lane(_mm256_max_ps(_mm256_max_ps(abs(v[0]), abs(v[1])),
+                                            _mm256_max_ps(abs(v[2]), abs(v[3]))));
+  const float sum = sum_lanes(_mm256_add_ps(_mm256_add_ps(v[0], v[1]),
+                                            _mm256_add_ps(v[2], v[3])));
+  const bool ok = finite(sum);  // a NaN or an infinity in the group makes its sum one
   const __m256 inv = _mm256_set1_ps(ok && amax > 0.f ? 127.f / amax : 0.f);
   // round to nearest even (the default rounding mode), |value| <= 127: no saturation
-  const __m256i q_lo = _mm256_cvtps_epi32(_mm256_mul_ps(lo, inv));
-  const __m256i q_hi = _mm256_cvtps_epi32(_mm256_mul_ps(hi, inv));
-  const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(q_lo, q_hi), 0xd8);
-  const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words),
-                                        _mm256_extracti128_si256(words, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), bytes);
-  scale = ok ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+  for (int half = 0; half < 2; ++half) {
+    const __m256i words =
+        _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * half], q[2 * half + 1]), 0xd8);
+    const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words),
+                                          _mm256_extracti128_si256(words, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16 * half), bytes);
+  }
+  const auto q_sum = static_cast<float>(sum_int_lanes(
+      _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]))));
+  const float d = ok ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
+  group = {d, 8.f * (sum - d * q_sum), sum};
 }
 
 void quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t k, int8_t* xq,
-                   float* d, float* sums) {
-  const int64_t groups = k / kGroup, blocks = k / kActBlock;
-  constexpr int64_t kBlocksPerGroup = kGroup / kActBlock;
+                   GroupActivations* groups) {
+  const int64_t count = k / kGroup;
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      for (int64_t g = 0; g < groups; ++g) {
-        float group_sum = 0.f;
-        for (int64_t b = g * kBlocksPerGroup; b < (g + 1) * kBlocksPerGroup; ++b) {
-          float sum;
-          quantize_block(x + r * x_stride + b * kActBlock, xq + r * k + b * kActBlock,
-                         d[r * blocks + b], sum);
-          group_sum += sum;
-        }
-        sums[r * groups + g] = group_sum;
+      for (int64_t g = 0; g < count; ++g) {
+        quantize_group(x + r * x_stride + g * kGroup, xq + r * k + g * kGroup,
+                       groups[r * count + g]);
       }
     }
   });
 }
 
 // Rows [row, row + ROWS) of the call times panel p: acc[r][o] = the panel's output o of
-// row r, before bias and residual. The 16-bit sums of a block build in named registers
-// (a<row><half>); the float32 sums stay in acc, in memory (L1), updated once per block:
+// row r, before bias and residual. The 16-bit sums of a group build in named registers
+// (a<row><half>); the float32 sums stay in acc, in memory (L1), updated once per group:
 // with more in registers, GCC spills the 16-bit sums instead.
 template <int ROWS>
 inline void panel_kernel(const QuantizedRows& xr, int64_t row, const uint8_t* panel,
                          const uint16_t* params, const char* ahead,
                          float (&acc)[kMaxRows][kPanel]) {
   static_assert(ROWS >= 1 && ROWS <= kMaxRows);
-  const int64_t k = xr.k, groups = k / kGroup, blocks = k / kActBlock;
+  const int64_t k = xr.k, groups = k / kGroup;
   const __m256i nibble = _mm256_set1_epi8(0x0f);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int r = 0; r < ROWS; ++r) std::fill(acc[r], acc[r] + kPanel, 0.f);
   const int8_t* x = xr.xq + row * k;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = panel + b * kRecordsPerBlock * kRecord;
-    if (ahead) {  // a block's records are 2 cache lines
-      _mm_prefetch(ahead + b * kRecordsPerBlock * kRecord, _MM_HINT_T1);
-      _mm_prefetch(ahead + b * kRecordsPerBlock * kRecord + 64, _MM_HINT_T1);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group = panel + g * kRecordsPerGroup * kRecord;
+    if (ahead) {  // a group's records are 4 cache lines
+      for (int line = 0; line < 4; ++line) {
+        _mm_prefetch(ahead + g * kRecordsPerGroup * kRecord + 64 * line, _MM_HINT_T1);
+      }
     }
     __m256i a00, a01, a10, a11, a20, a21, a30, a31;
     a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = _mm256_setzero_si256();
-    for (int64_t i = 0; i < kRecordsPerBlock; ++i) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + i * kRecord));
+    for (int64_t i = 0; i < kRecordsPerGroup; ++i) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + i * kRecord));
       const __m256i low = _mm256_and_si256(v, nibble);
       const __m256i high = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-      const int8_t* xi = x + b * kActBlock + 4 * i;
+      const int8_t* xi = x + g * kGroup + 4 * i;
 #define TOKENMILL_ROW(r)                                                            \
   if constexpr (ROWS > r) {                                                         \
     int32_t four;                                                                   \
@@ -185,24 +199,21 @@ inline void panel_kernel(const QuantizedRows& xr, int64_t row, const uint8_t* pa
   }
       // The empty asm statements keep each 16-bit sum in its register, taking its
       // products one record at a time: without them GCC reassociates the integer sums
-      // into trees and keeps every product of a block on the stack (2x slower).
+      // into trees and keeps every product of a group on the stack (2x slower).
       TOKENMILL_ROW(0) TOKENMILL_ROW(1) TOKENMILL_ROW(2) TOKENMILL_ROW(3)
 #undef TOKENMILL_ROW
     }
     const __m256i sums[kMaxRows][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
-    const int64_t g = b * kActBlock / kGroup;
-    const bool group_ends = (b + 1) * kActBlock % kGroup == 0;
     for (int h = 0; h < 2; ++h) {
       const uint16_t* group_params = params + g * 2 * kPanel + 8 * h;
       const __m256 scale = half_lanes(group_params);
       const __m256 min = half_lanes(group_params + kPanel);
       for (int r = 0; r < ROWS; ++r) {
+        const GroupActivations& xg = xr.groups[(row + r) * groups + g];
         const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r][h], ones));
-        const __m256 step = _mm256_mul_ps(scale, _mm256_set1_ps(xr.d[(row + r) * blocks + b]));
-        __m256 v = _mm256_fmadd_ps(dot, step, _mm256_loadu_ps(acc[r] + 8 * h));
-        if (group_ends) {  // the group's minimums times its sums of x
-          v = _mm256_fmadd_ps(min, _mm256_set1_ps(xr.sums[(row + r) * groups + g]), v);
-        }
+        const __m256 centred = _mm256_fmadd_ps(dot, _mm256_set1_ps(xg.d), _mm256_set1_ps(xg.e));
+        __m256 v = _mm256_fmadd_ps(centred, scale, _mm256_loadu_ps(acc[r] + 8 * h));
+        v = _mm256_fmadd_ps(min, _mm256_set1_ps(xg.s), v);
         _mm256_storeu_ps(acc[r] + 8 * h, v);
       }
     }
@@ -266,16 +277,15 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed,
   tokenmill::check_bias_and_residual(bias, residual, m, n, at::kFloat, "float32");
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
-  // One scratch allocation for the quantized rows: the block scales and the group sums
-  // (float32), then the int8 values.
-  const int64_t scale_count = m * (k / kActBlock), sum_count = m * (k / kGroup);
-  at::Tensor scratch = at::empty({(scale_count + sum_count) * 4 + m * k},
+  // One scratch allocation for the quantized rows: their groups' GroupActivations, then
+  // the int8 values.
+  const int64_t group_count = m * (k / kGroup);
+  at::Tensor scratch = at::empty({group_count * int64_t{sizeof(GroupActivations)} + m * k},
                                  x.options().dtype(at::kByte));
-  auto* d = reinterpret_cast<float*>(scratch.data_ptr<uint8_t>());
-  float* sums = d + scale_count;
-  auto* xq = reinterpret_cast<int8_t*>(sums + sum_count);
-  quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, xq, d, sums);
-  const QuantizedRows xr{xq, d, sums, k};
+  auto* groups = reinterpret_cast<GroupActivations*>(scratch.data_ptr<uint8_t>());
+  auto* xq = reinterpret_cast<int8_t*>(groups + group_count);
+  quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, xq, groups);
+  const QuantizedRows xr{xq, groups, k};
   const Output o{bias ? bias->data_ptr<float>() : nullptr,
                  residual ? residual->data_ptr<float>() : nullptr,
                  residual ? residual->stride(0) : 0, out.data_ptr<float>(), n};

@@ -22,7 +22,7 @@ and accuracy costs):
   weights it recovers the file's own 4-bit values). The output head keeps 8 bits.
 - ``NativeVnniW4A8Format`` / ``NativeW4A8Format``: ``--quantization w4a8``: int4's
   weights (float16 scales and minimums) times activations quantized to int8 at every
-  call per block of 16 inputs, multiplied as integers: bfloat16 or float32 activations on
+  call per group of 32 inputs, multiplied as integers: bfloat16 or float32 activations on
   a CPU with AVX512-VNNI (``NativeVnniW4A8Weight``), float32 elsewhere on a CPU with AVX2,
   FMA and F16C (``NativeW4A8Weight``). No PyTorch form.
   The output head keeps 8-bit weights: w8a8's on VNNI, else int8 with float32 activations
