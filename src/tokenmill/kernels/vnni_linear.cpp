@@ -123,9 +123,9 @@ struct QuantizedRows {
   int64_t k;
 };
 
-// The weight kinds: inputs per activation scale, how a record becomes the two registers
-// of 16 outputs x 4 inputs that VPDPBUSD takes, and what a block's int32 sums add to the
-// float32 ones.
+// The weight kinds: the floats a row's block of activations carries, how a record becomes
+// the two registers of 16 outputs x 4 inputs that VPDPBUSD takes, and what a block's int32
+// sums add to the float32 ones.
 struct W8 {
   static constexpr int64_t kRecordBytes = 128;
   static constexpr int64_t kBlockFloats = 1;  // d

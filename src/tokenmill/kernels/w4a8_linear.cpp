@@ -18,9 +18,10 @@
 //
 // (vnni_linear.cpp's w4a8 computes the same.) The integer products are exact (VPMADDUBSW:
 // unsigned 4-bit values times signed bytes, summed in 16 bits: at most 16 products of 15 x
-// 127 per lane, 30480, no saturation); the rest is float32. This is what a CPU without fast bfloat16 arithmetic does fastest: one
-// VPMADDUBSW multiplies 32 pairs, four times what one float32 FMA does. The cost is the
-// rounding of the activations, which ``benchmarks/accuracy.py`` measures.
+// 127 per lane, 30480, no saturation); the rest is float32. This is what a CPU without
+// fast bfloat16 arithmetic does fastest: one VPMADDUBSW multiplies 32 pairs, four times
+// what one float32 FMA does. The cost is the rounding of the activations, which
+// ``benchmarks/accuracy.py`` measures.
 //
 // Packed layout (weight_formats.NativeW4A8Weight packs it): outputs in panels of 16,
 // inputs in records of 4; a record is 32 bytes, byte 4 o + j holding input 4 r + j of
@@ -63,9 +64,9 @@ namespace {
 using tokenmill::load_lanes;
 using tokenmill::store_lanes;
 
-constexpr int64_t kPanel = 16;     // outputs per panel
-constexpr int64_t kGroup = 32;     // inputs per weight scale and minimum, and per activation scale
-constexpr int64_t kRecord = 32;    // bytes per record: 4 inputs x 16 outputs x 4 bits
+constexpr int64_t kPanel = 16;   // outputs per panel
+constexpr int64_t kGroup = 32;   // inputs per weight scale and minimum and per activation scale
+constexpr int64_t kRecord = 32;  // bytes per record: 4 inputs x 16 outputs x 4 bits
 constexpr int64_t kRecordsPerGroup = kGroup / 4;
 constexpr int kMaxRows = 4;
 
