@@ -31,7 +31,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
                              "logprob_rows.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name)
                 for name in ("dtype_conversion.h", "avx2_lanes.h", "avx512_lanes.h",
-                             "linear_epilogue.h", "amx_tiles.h",
+                             "linear_epilogue.h", "amx_tiles.h", "w4a8_groups.h",
                              "thread_batches.h"))
 # Fast math: vectorized exp and reassociated sums. (The bfloat16 rounding tests NaN on the
 # bits, so a NaN still comes out a NaN.)

@@ -21,12 +21,9 @@
 //   w4a8: y[m, n] = sum over blocks b: scale[n, b] * (d[m, b] * sum q[n, k] xq[m, k]
 //                                                   + e[m, b])
 //                                      + min[n, b] * s[m, b]
-//         s[m, b] = sum over the block of x[m, k] (float32), e[m, b] = 8 * (s[m, b] - d[m, b]
-//         * sum over the block of xq[m, k]); that is, sum over k of scale * (q - 8) * x~ +
-//         (min + 8 * scale) * x: only the centred part of a 4-bit weight, q - 8 in -8..7,
-//         sees x rounded (its rounding errors mostly cancel, where q's mean of 7.5 would add
-//         them up: the embedded model's mean KL divergence from float32 0.005, against
-//         0.029 for the same blocks uncentred).
+//         with s and e as w4a8_groups.h defines them: the weights centred on 8, only their
+//         centred part sees x rounded (the embedded model's mean KL divergence from
+//         float32 0.005, against 0.029 for the same blocks uncentred).
 //
 // VPDPBUSD multiplies unsigned bytes by signed ones: 4-bit weights are unsigned already,
 // int8 weights are stored plus 128 (1..255) and c takes the 128s out again. The integer
@@ -58,6 +55,7 @@
 #include "avx512_lanes.h"
 #include "linear_epilogue.h"
 #include "thread_batches.h"
+#include "w4a8_groups.h"
 
 #include <immintrin.h>
 
@@ -112,23 +110,25 @@ inline bool finite(float v) {
   return (bits & 0x7f800000u) != 0x7f800000u;
 }
 
-// The activations of one call, quantized: xq [M, K] int8; per row and block, W::kBlockFloats
-// float32 values [M, K / kBlock, W::kBlockFloats]: the block's scale d (NaN for a block
-// holding a NaN or an infinity, 0 for one of zeros), then w4a8's e and s; and per row w8a8's
-// c ([M]; w4a8: unused).
+// The activations of one call, quantized: xq [M, K] int8; per row and block what the
+// weight kind keeps of it, ``Acts`` [M, K / kBlock]; and per row w8a8's c ([M]; w4a8:
+// unused).
+template <typename Acts>
 struct QuantizedRows {
   const int8_t* xq;
-  const float* blocks;
+  const Acts* acts;
   const float* c;
   int64_t k;
 };
 
-// The weight kinds: the floats a row's block of activations carries, how a record becomes
+// The weight kinds: what a row's block of activations carries (Acts), how a record becomes
 // the two registers of 16 outputs x 4 inputs that VPDPBUSD takes, and what a block's int32
 // sums add to the float32 ones.
 struct W8 {
+  struct Acts {
+    float d;  // the block's scale: NaN for a NaN or an infinity in it, 0 for zeros
+  };
   static constexpr int64_t kRecordBytes = 128;
-  static constexpr int64_t kBlockFloats = 1;  // d
   static constexpr int kMaxRows = 6;  // 2 int32 and 2 float32 sums a row in registers
   static constexpr bool kPinSums = false;  // GCC keeps them in registers unasked
   static inline void load(const uint8_t* record, __m512i& lo, __m512i& hi) {
@@ -138,15 +138,15 @@ struct W8 {
   struct BlockParams {};
   static inline BlockParams params_of(const uint16_t*) { return {}; }
   // acc += sums * d (the weight scale comes last, per output)
-  static inline __m512 add_block(__m512 acc, __m512i sums, const float* row_block,
-                                 const BlockParams&, int) {
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(row_block[0]), acc);
+  static inline __m512 add_block(__m512 acc, __m512i sums, const Acts& a, const BlockParams&,
+                                 int) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(a.d), acc);
   }
 };
 
 struct W4 {
+  using Acts = tokenmill::GroupActivations;
   static constexpr int64_t kRecordBytes = 64;
-  static constexpr int64_t kBlockFloats = 3;  // d, e, s
   static constexpr int kMaxRows = 4;  // and a block's scales and minimums
   // An empty asm statement after each row's products keeps its sums in registers, taking
   // products one record at a time: without it GCC interleaves a block's records and
@@ -169,13 +169,12 @@ struct W4 {
     return {{half(0), half(16)}, {half(kPanel), half(kPanel + 16)}};
   }
   // acc += scale * (sums * d + e) + min * s
-  static inline __m512 add_block(__m512 acc, __m512i sums, const float* row_block,
+  static inline __m512 add_block(__m512 acc, __m512i sums, const Acts& a,
                                  const BlockParams& params, int h) {
-    const __m512 centred = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums),
-                                           _mm512_set1_ps(row_block[0]),
-                                           _mm512_set1_ps(row_block[1]));
+    const __m512 centred = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(a.d),
+                                           _mm512_set1_ps(a.e));
     acc = _mm512_fmadd_ps(centred, params.scale[h], acc);
-    return _mm512_fmadd_ps(params.min[h], _mm512_set1_ps(row_block[2]), acc);
+    return _mm512_fmadd_ps(params.min[h], _mm512_set1_ps(a.s), acc);
   }
 };
 
@@ -189,6 +188,13 @@ struct W4Widened : W4 {
   }
 };
 
+// This thread's buffer for a widened panel, at least `bytes` long (grown, never shrunk).
+inline uint8_t* widening_buffer(int64_t bytes) {
+  thread_local std::vector<uint8_t> buffer;
+  if (static_cast<int64_t>(buffer.size()) < bytes) buffer.resize(bytes);
+  return buffer.data();
+}
+
 // The 4-bit panel at src ([K / 4, 64] bytes) as W4Widened's records ([K / 4, 128]) at dst.
 inline void unpack_panel(const uint8_t* src, int64_t k, uint8_t* dst) {
   for (int64_t r = 0; r < k / 4; ++r) {
@@ -199,10 +205,14 @@ inline void unpack_panel(const uint8_t* src, int64_t k, uint8_t* dst) {
   }
 }
 
-// Row r of x, block by block: int8 values into xq, W's kBlockFloats per block into
-// `blocks` and (W8) c into *c (QuantizedRows).
+// Whether W is the int8 kind (weights stored plus 128, c taking the 128s out).
+template <typename W>
+constexpr bool kInt8 = std::is_same_v<typename W::Acts, W8::Acts>;
+
+// Row r of x, block by block: int8 values into xq, W's Acts per block into `acts` and (W8)
+// c into *c (QuantizedRows).
 template <typename W, typename T>
-void quantize_row(const T* x, int64_t k, int8_t* xq, float* blocks, float* c) {
+void quantize_row(const T* x, int64_t k, int8_t* xq, typename W::Acts* acts, float* c) {
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   float c_sum = 0.f;
   for (int64_t b = 0; b < k / kBlock; ++b) {
@@ -220,16 +230,14 @@ void quantize_row(const T* x, int64_t k, int8_t* xq, float* blocks, float* c) {
                      _mm512_cvtepi32_epi8(q_hi));
     const float d = ok ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
     const auto q_sum = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi)));
-    float* block = blocks + b * W::kBlockFloats;
-    block[0] = d;
-    if constexpr (W::kBlockFloats == 3) {
-      block[1] = 8.f * (sum - d * q_sum);
-      block[2] = sum;
-    } else {
+    if constexpr (kInt8<W>) {
+      acts[b] = {d};
       c_sum += d * q_sum;
+    } else {
+      acts[b] = tokenmill::group_activations(sum, d, q_sum);
     }
   }
-  if constexpr (W::kBlockFloats == 1) *c = 128.f * c_sum;
+  if constexpr (kInt8<W>) *c = 128.f * c_sum;
 }
 
 // The panel to request into cache while one is multiplied: its weights and (w4a8) its
@@ -244,8 +252,9 @@ struct NextPanel {
 // Rows [row, row + ROWS) of the call times one panel: acc[r][h] = outputs 16 h .. 16 h + 15
 // of row r, before the epilogue. params: the panel's group_params (w4a8) or null.
 template <typename W, int ROWS>
-inline void panel_kernel(const QuantizedRows& xr, int64_t row, const uint8_t* panel,
-                         const uint16_t* params, NextPanel ahead, __m512 (&acc)[kMaxRows][2]) {
+inline void panel_kernel(const QuantizedRows<typename W::Acts>& xr, int64_t row,
+                         const uint8_t* panel, const uint16_t* params, NextPanel ahead,
+                         __m512 (&acc)[kMaxRows][2]) {
   constexpr int64_t kBlockBytes = kRecords * W::kRecordBytes;
   const int64_t k = xr.k, blocks = k / kBlock;
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -280,9 +289,9 @@ inline void panel_kernel(const QuantizedRows& xr, int64_t row, const uint8_t* pa
     const typename W::BlockParams block_params =
         W::params_of(params ? params + b * 2 * kPanel : nullptr);
     for (int r = 0; r < ROWS; ++r) {
-      const float* row_block = xr.blocks + ((row + r) * blocks + b) * W::kBlockFloats;
+      const typename W::Acts& a = xr.acts[(row + r) * blocks + b];
       for (int h = 0; h < 2; ++h) {
-        acc[r][h] = W::add_block(acc[r][h], sums[r][h], row_block, block_params, h);
+        acc[r][h] = W::add_block(acc[r][h], sums[r][h], a, block_params, h);
       }
     }
   }
@@ -301,8 +310,8 @@ struct Output {
 
 // Row ``row``'s sums for outputs col .. col + 15, w8a8's with the 128s taken out and times
 // the weight scale (w4a8's panel sums are scaled already).
-template <typename T>
-inline __m512 weight_scaled(__m512 sums, const QuantizedRows& xr, int64_t row,
+template <typename Acts, typename T>
+inline __m512 weight_scaled(__m512 sums, const QuantizedRows<Acts>& xr, int64_t row,
                             const Output<T>& o, int64_t col) {
   if (!o.scales) return sums;
   return _mm512_mul_ps(_mm512_sub_ps(sums, _mm512_set1_ps(xr.c[row])),
@@ -310,8 +319,9 @@ inline __m512 weight_scaled(__m512 sums, const QuantizedRows& xr, int64_t row,
 }
 
 template <typename W, int ROWS, typename T>
-void rows_times_panel(const QuantizedRows& xr, int64_t row, const uint8_t* panel,
-                      const uint16_t* params, NextPanel ahead, int64_t p, const Output<T>& o) {
+void rows_times_panel(const QuantizedRows<typename W::Acts>& xr, int64_t row,
+                      const uint8_t* panel, const uint16_t* params, NextPanel ahead, int64_t p,
+                      const Output<T>& o) {
   __m512 acc[kMaxRows][2];
   panel_kernel<W, ROWS>(xr, row, panel, params, ahead, acc);
   if (o.gated) {
@@ -340,8 +350,8 @@ void rows_times_panel(const QuantizedRows& xr, int64_t row, const uint8_t* panel
 }
 
 template <typename W, typename T>
-using RowsFn = void (*)(const QuantizedRows&, int64_t, const uint8_t*, const uint16_t*,
-                        NextPanel, int64_t, const Output<T>&);
+using RowsFn = void (*)(const QuantizedRows<typename W::Acts>&, int64_t, const uint8_t*,
+                        const uint16_t*, NextPanel, int64_t, const Output<T>&);
 template <typename W, typename T, int... R>
 constexpr auto make_table(std::integer_sequence<int, R...>) {
   return std::array<RowsFn<W, T>, sizeof...(R)>{&rows_times_panel<W, R + 1, T>...};
@@ -362,9 +372,9 @@ const T* data_of(const at::Tensor& t) {
 // Rows 0 .. m of the call times panel p, in chunks of nearly equal sizes, at most
 // W::kMaxRows each; the first chunk requests `next` into cache.
 template <typename W, typename T>
-void rows_times_panel_in_chunks(const QuantizedRows& xr, int64_t m, const uint8_t* panel,
-                                const uint16_t* params, NextPanel next, int64_t p,
-                                const Output<T>& o) {
+void rows_times_panel_in_chunks(const QuantizedRows<typename W::Acts>& xr, int64_t m,
+                                const uint8_t* panel, const uint16_t* params, NextPanel next,
+                                int64_t p, const Output<T>& o) {
   const int64_t chunks = (m + W::kMaxRows - 1) / W::kMaxRows;
   for (int64_t c = 0, row = 0; c < chunks; ++c) {
     const int64_t rows = (m - row) / (chunks - c);
@@ -379,21 +389,22 @@ void linear(const at::Tensor& x, const at::Tensor& packed, const float* scales,
             const std::optional<at::Tensor>& residual, bool gated, at::Tensor& out) {
   const int64_t m = x.size(0), k = x.size(1), blocks = k / kBlock;
   const int64_t n = gated ? 2 * out.size(1) : out.size(1);
-  // One scratch allocation for the quantized rows: the blocks' floats and c (float32),
-  // then the int8 values.
-  const int64_t block_floats = m * blocks * W::kBlockFloats;
-  at::Tensor scratch = at::empty({(block_floats + m) * 4 + m * k}, x.options().dtype(at::kByte));
-  auto* row_blocks = reinterpret_cast<float*>(scratch.data_ptr<uint8_t>());
-  float* c = row_blocks + block_floats;
+  // One scratch allocation for the quantized rows: their blocks' Acts, c (float32), then
+  // the int8 values.
+  using Acts = typename W::Acts;
+  const int64_t act_count = m * blocks;
+  at::Tensor scratch = at::empty({act_count * int64_t{sizeof(Acts)} + m * 4 + m * k},
+                                 x.options().dtype(at::kByte));
+  auto* acts = reinterpret_cast<Acts*>(scratch.data_ptr<uint8_t>());
+  auto* c = reinterpret_cast<float*>(acts + act_count);
   auto* xq = reinterpret_cast<int8_t*>(c + m);
   const T* xs = data_of<T>(x);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      quantize_row<W>(xs + r * x.stride(0), k, xq + r * k,
-                      row_blocks + r * blocks * W::kBlockFloats, c + r);
+      quantize_row<W>(xs + r * x.stride(0), k, xq + r * k, acts + r * blocks, c + r);
     }
   });
-  const QuantizedRows xr{xq, row_blocks, c, k};
+  const QuantizedRows<Acts> xr{xq, acts, c, k};
   const Output<T> o{scales, bias ? data_of<T>(*bias) : nullptr,
                     residual ? data_of<T>(*residual) : nullptr,
                     residual ? residual->stride(0) : 0,
@@ -405,8 +416,7 @@ void linear(const at::Tensor& x, const at::Tensor& packed, const float* scales,
   const bool widen = kWidens && m > W::kMaxRows;
   tokenmill::parallel_batches(panels_for(n), [&](int64_t begin, int64_t end,
                                                  int64_t following) {
-    thread_local std::vector<uint8_t> widened;
-    if (widen) widened.resize(k / 4 * W8::kRecordBytes);
+    uint8_t* widened = widen ? widening_buffer(k / 4 * W8::kRecordBytes) : nullptr;
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* panel = weights + p * panel_bytes;
       const uint16_t* panel_params_at = params ? params + p * panel_params : nullptr;
@@ -420,9 +430,9 @@ void linear(const at::Tensor& x, const at::Tensor& packed, const float* scales,
                                  kRecords * W::kRecordBytes};
       if constexpr (kWidens) {
         if (widen) {
-          unpack_panel(panel, k, widened.data());
-          rows_times_panel_in_chunks<W4Widened, T>(xr, m, widened.data(), panel_params_at,
-                                                   next, p, o);
+          unpack_panel(panel, k, widened);
+          rows_times_panel_in_chunks<W4Widened, T>(xr, m, widened, panel_params_at, next, p,
+                                                   o);
           continue;
         }
       }

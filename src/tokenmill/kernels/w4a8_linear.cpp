@@ -7,21 +7,17 @@
 // (32) inputs of an output row, w = q * scale + min (GGUF Q4_1's form, in its dtypes).
 // Activations: each row of x is quantized per group of kGroup (32) inputs to int8 at
 // every call, x~ = d * round(x / d) with d = max|x| / 127 over the group (round to
-// nearest even). Each weight is taken as scale * (q - 8) + (min + 8 * scale): only its
-// centred part sees x rounded (the rounding errors mostly cancel against q - 8 in -8..7,
-// where q's mean of 7.5 would add them up), the rest multiplies the exact float32 sums of
-// x:
+// nearest even). The weights are centred on 8, and only their centred part sees x rounded
+// (w4a8_groups.h, which vnni_linear.cpp's w4a8 shares):
 //
 //   y[m, n] = sum over groups g of scale[n, g] * (d[m, g] * sum q[n, k] * xq[m, k] + e[m, g])
 //                                  + min[n, g] * s[m, g]
-//   s[m, g] = sum over k in g of x[m, k],  e[m, g] = 8 * (s[m, g] - d[m, g] * sum xq[m, k])
 //
-// (vnni_linear.cpp's w4a8 computes the same.) The integer products are exact (VPMADDUBSW:
-// unsigned 4-bit values times signed bytes, summed in 16 bits: at most 16 products of 15 x
-// 127 per lane, 30480, no saturation); the rest is float32. This is what a CPU without
-// fast bfloat16 arithmetic does fastest: one VPMADDUBSW multiplies 32 pairs, four times
-// what one float32 FMA does. The cost is the rounding of the activations, which
-// ``benchmarks/accuracy.py`` measures.
+// The integer products are exact (VPMADDUBSW: unsigned 4-bit values times signed bytes,
+// summed in 16 bits: at most 16 products of 15 x 127 per lane, 30480, no saturation); the
+// rest is float32. This is what a CPU without fast bfloat16 arithmetic does fastest: one
+// VPMADDUBSW multiplies 32 pairs, four times what one float32 FMA does. The cost is the
+// rounding of the activations, which ``benchmarks/accuracy.py`` measures.
 //
 // Packed layout (weight_formats.NativeW4A8Weight packs it): outputs in panels of 16,
 // inputs in records of 4; a record is 32 bytes, byte 4 o + j holding input 4 r + j of
@@ -46,6 +42,7 @@
 
 #include "avx2_lanes.h"
 #include "linear_epilogue.h"
+#include "w4a8_groups.h"
 
 #include <immintrin.h>
 
@@ -61,6 +58,7 @@
 
 namespace {
 
+using tokenmill::GroupActivations;
 using tokenmill::load_lanes;
 using tokenmill::store_lanes;
 
@@ -76,12 +74,6 @@ int64_t panels_for(int64_t n) { return (n + kPanel - 1) / kPanel; }
 inline __m256 half_lanes(const uint16_t* src) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
 }
-
-// One group of a row's activations, quantized: its scale d (NaN when the group holds a NaN
-// or an infinity, 0 when all are 0), e and s (above).
-struct GroupActivations {
-  float d, e, s;
-};
 
 // The activations of one call, quantized: xq [M, K] int8, groups [M, K / kGroup].
 struct QuantizedRows {
@@ -145,7 +137,7 @@ inline void quantize_group(const float* src, int8_t* dst, GroupActivations& grou
   const auto q_sum = static_cast<float>(sum_int_lanes(
       _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]))));
   const float d = ok ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
-  group = {d, 8.f * (sum - d * q_sum), sum};
+  group = tokenmill::group_activations(sum, d, q_sum);
 }
 
 void quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t k, int8_t* xq,
