@@ -26,7 +26,7 @@ logger = logging.getLogger("tokenmill")
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_decode_attention.cpp", "paged_prefill_attention.cpp",
                              "fused_layers.cpp", "bf16_linear.cpp", "f32_linear.cpp",
-                             "w4a8_linear.cpp", "vnni_linear.cpp",
+                             "w4a8_linear.cpp", "vnni_linear.cpp", "decode_layers.cpp",
                              "argmax_rows.cpp", "sample_rows.cpp",
                              "logprob_rows.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name)

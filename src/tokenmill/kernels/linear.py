@@ -13,7 +13,9 @@ says the kernel it needs is not in this build.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -45,7 +47,47 @@ def interleave_gate_up(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(2, rows // 32, 16, in_features).transpose(0, 1).reshape(rows, in_features)
 
 
-class NativeWeight:
+@dataclass(frozen=True, slots=True)
+class KernelCall:
+    """A packed weight's kernel call as native code makes it (``DecodeLayers``): the op's
+    qualified name, the arguments between ``x`` and ``residual`` and those after it."""
+
+    op: str
+    weight_args: list
+    trailing_args: list
+
+
+class KernelWeight:
+    """A packed weight whose kernel is ``linear(x, *weight_args, residual, ...)`` (every
+    linear op's schema: x, the weight's tensors and sizes, the residual to add or None,
+    then options with defaults); subclasses set ``linear`` and give ``weight_args``."""
+
+    linear: Callable[..., torch.Tensor]
+
+    @property
+    def weight_args(self) -> tuple:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, *self.weight_args, None)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, *self.weight_args, residual)
+
+    def kernel_call(self) -> KernelCall:
+        """This weight's call, the options after ``residual`` given as bound (a
+        ``functools.partial`` of the op, as ``pack_silu_gated`` binds ``gated``) or as the
+        op's defaults."""
+        weight_args = list(self.weight_args)
+        op, options = self.linear, {}
+        if isinstance(op, functools.partial):
+            op, options = op.func, op.keywords
+        trailing = op.default._schema.arguments[len(weight_args) + 2:]
+        return KernelCall(op._qualified_op_name, weight_args,
+                          [options.get(a.name, a.default_value) for a in trailing])
+
+
+class NativeWeight(KernelWeight):
     """The weight in its dtype: ``bf16_linear`` (bfloat16) or ``f32_linear`` (float32).
     Same arithmetic as oneDNN's (exact products summed in float32, one rounding)."""
 
@@ -57,47 +99,37 @@ class NativeWeight:
         self.packed = ops.pack_weight(weight)
         self.bias = bias
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.packed, self.out_features, self.bias, None)
-
-    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.packed, self.out_features, self.bias, residual)
+    @property
+    def weight_args(self) -> tuple:
+        return self.packed, self.out_features, self.bias
 
 
-class ScaledWeight:
+class ScaledWeight(KernelWeight):
     """The call of the kernels that take one tensor of scales beside the packed weight
     (``linear(x, packed, scales, out_features, bias, residual)``); subclasses set them."""
 
-    linear: Callable[..., torch.Tensor]
     packed: torch.Tensor
     scales: torch.Tensor
     out_features: int
     bias: torch.Tensor | None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.packed, self.scales, self.out_features, self.bias, None)
-
-    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.packed, self.scales, self.out_features, self.bias, residual)
+    @property
+    def weight_args(self) -> tuple:
+        return self.packed, self.scales, self.out_features, self.bias
 
 
-class GroupParamsWeight:
+class GroupParamsWeight(KernelWeight):
     """The call of the w4a8 kernels: ``linear(x, packed, group_params, out_features, bias,
     residual)``, per group the scales and minimums in one tensor; subclasses set them."""
 
-    linear: Callable[..., torch.Tensor]
     packed: torch.Tensor
     group_params: torch.Tensor
     out_features: int
     bias: torch.Tensor | None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.packed, self.group_params, self.out_features, self.bias,
-                           None)
-
-    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.packed, self.group_params, self.out_features, self.bias,
-                           residual)
+    @property
+    def weight_args(self) -> tuple:
+        return self.packed, self.group_params, self.out_features, self.bias
 
 
 class NativeInt8Weight(ScaledWeight):
@@ -146,7 +178,7 @@ class NativeInt8GroupWeight(ScaledWeight):
         self.bias = bias
 
 
-class NativeInt4Weight:
+class NativeInt4Weight(KernelWeight):
     """4-bit weights for the int4 kernel of the weight's dtype: ``int4_linear`` (bfloat16
     activations, panels of 32 outputs) or ``int4_f32_linear`` (float32, panels of 16). Per
     ``GROUP`` inputs of a row a float32 scale and minimum, ``w = q * scale + min`` with q in
@@ -177,13 +209,9 @@ class NativeInt4Weight:
         self.out_features = out_features
         self.bias = bias
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.packed, self.scales, self.mins, self.out_features,
-                           self.bias, None)
-
-    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.packed, self.scales, self.mins, self.out_features,
-                           self.bias, residual)
+    @property
+    def weight_args(self) -> tuple:
+        return self.packed, self.scales, self.mins, self.out_features, self.bias
 
 
 class NativeInt4PlanesWeight:

@@ -33,7 +33,7 @@ class NativeDecode:
 
     def __init__(self, kernels: NativeKernels, window: int | None = None) -> None:
         self._attention = kernels.paged_decode_attention
-        self._window = window or 0  # the kernel's: 0 is none
+        self.window = window or 0  # the kernel's: 0 is none
 
     def plan(self, block_tables: torch.Tensor, seq_lens: list[int],
              num_cache_blocks: int) -> NativeDecodePlan:
@@ -44,7 +44,7 @@ class NativeDecode:
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: NativeDecodePlan,
                  scale: float) -> torch.Tensor:
         out = self._attention(q, kv_cache[0], kv_cache[1], plan.block_tables, plan.seq_lens,
-                              scale, self._window)
+                              scale, self.window)
         return out.view(q.shape[0], -1)
 
 

@@ -89,10 +89,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device))
         self.eps = eps
-        self._rms_norm = ops.rms_norm
+        self.rms_norm_op = ops.rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._rms_norm(x, self.weight, self.eps)
+        return self.rms_norm_op(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

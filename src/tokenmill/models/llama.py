@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.kernels.linear import KernelWeight
 from tokenmill.models.attention import AttentionBackend, AttentionPlan
+from tokenmill.models.attention_native import NativeAttention
 from tokenmill.models.causal_lm import PagedCausalLM
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.layer_ops import TORCH_LAYER_OPS, LayerOps
@@ -105,14 +107,58 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(PagedCausalLM):
     """Llama / Qwen2 / Qwen3 / Mistral / Phi-3 causal LM over a paged KV cache (see
-    ``PagedCausalLM``)."""
+    ``PagedCausalLM``). After ``pack``, ``decode_layers`` (where ``native_decode_layers``
+    builds it) runs a batch of decodes alone through every layer in one native call;
+    setting it to None runs them layer module by layer module (the same ops, the same
+    outputs)."""
 
     model_class = LlamaModel
+    decode_layers = None
+
+    def pack(self) -> None:
+        super().pack()
+        self.decode_layers = native_decode_layers(self)
 
     def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    kv_caches: list[torch.Tensor], plans: list[AttentionPlan]) -> torch.Tensor:
         cos, sin = self.model.rotary_emb.cos_sin(positions)
         h = self.model.embed_tokens(input_ids)
+        plan = plans[0]
+        if self.decode_layers is not None and plan.prefill is None:  # one plan: see below
+            return self.decode_layers.run(h, cos, sin, kv_caches, plan.slot_mapping,
+                                          plan.decode.block_tables, plan.decode.seq_lens)
         for layer, kv_cache, plan in zip(self.model.layers, kv_caches, plans, strict=True):
             h = layer(h, cos, sin, kv_cache, plan)
         return h
+
+
+def native_decode_layers(model: LlamaForCausalLM):
+    """The native kernels' ``DecodeLayers`` (``kernels/decode_layers.cpp``) bound to the
+    packed model's layers, or None where a layer takes a step it does not: an attention
+    backend other than the native kernels' (or more than one: every layer must share one
+    plan), QK-norm, norms by PyTorch's ops, or a projection whose packed weight is not one
+    kernel call (``KernelWeight``), the gate/up one included (it must gate SiLU itself)."""
+    attentions = model.attentions
+    if (len(attentions) != 1 or not isinstance(attentions[0], NativeAttention)
+            or model.config.qk_norm or not hasattr(torch.classes.tokenmill, "DecodeLayers")):
+        return None
+    attention, layers = attentions[0], model.model.layers
+    linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                layer.mlp.down_proj) for layer in layers]
+    norms = [(layer.input_layernorm, layer.post_attention_layernorm) for layer in layers]
+    if not (all(type(layer) is LlamaDecoderLayer for layer in layers)
+            and all(n.rms_norm_op is torch.ops.tokenmill.rms_norm for pair in norms
+                    for n in pair)
+            and all(isinstance(p.packed, KernelWeight) for four in linears for p in four)
+            and all(four[2].fused for four in linears)):
+        return None
+    stack = torch.classes.tokenmill.DecodeLayers(
+        model.config.rms_norm_eps, attention.num_heads, attention.num_kv_heads,
+        attention.head_dim, attention.scale)
+    for (input_norm, post_norm), four in zip(norms, linears, strict=True):
+        stack.add_layer(input_norm.weight.data, post_norm.weight.data,
+                        attention.decode.window)
+        for projection in four:
+            call = projection.packed.kernel_call()
+            stack.add_linear(call.op, call.weight_args, call.trailing_args)
+    return stack
