@@ -13,7 +13,10 @@ Per level it prints the mean milliseconds per engine step of:
   tensors and attention plan), forward (the decoder layers' matmuls, the MLP's SiLU gate
   with them, attention over the cache, the RMSNorms (``RMSNorm`` layers; Qwen3's and Gemma
   3's per-head q/k norms count in the rest), the rest: rotary and the KV store, embedding,
-  residuals and the forward pass's own Python), the LM head
+  residuals and the forward pass's own Python), decode layers (a step of decodes alone runs
+  every Llama-family layer in one native call, ``DecodeLayers``: its matmuls, attention
+  and norms are not split; ``--module-layers`` runs them layer module by layer module
+  instead, which splits them and costs the Python between them), the LM head
   (the output projection to the vocabulary), sampling (settings + sampler, log-probabilities
   included where the requests ask for them: ``--logprobs``), update (stop checks,
   outputs), other (the rest of ``EngineCore.step``: sending results, the queue state),
@@ -26,7 +29,8 @@ The timers cost a few microseconds per call (about 150 calls per step); the figu
 are for comparing parts, not for absolute throughput. Usage::
 
     python benchmarks/step_breakdown.py [--concurrency 1 64] [--requests-per-stream 1]
-                                        [--logprobs N] [--out FILE] [-- SERVER OPTIONS]
+                                        [--logprobs N] [--module-layers] [--out FILE]
+                                        [-- SERVER OPTIONS]
 """
 
 from __future__ import annotations
@@ -61,11 +65,14 @@ from tokenmill.models.attention import AttentionBackend
 from tokenmill.models.attention_native import NativeDecode, NativePrefill
 from tokenmill.models.attention_sdpa import SdpaDecode, SdpaPrefill
 from tokenmill.models.causal_lm import PagedCausalLM
+from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.server.run import serve
 
 SNAPSHOT_ENV = "STEP_BREAKDOWN_FILE"
+MODULE_LAYERS_ENV = "STEP_BREAKDOWN_MODULE_LAYERS"  # "1": no native decode layers
 SNAPSHOT_PERIOD_S = 0.2
-ENGINE_PARTS = ("schedule", "prepare", "matmuls", "attention", "norms", "forward_rest",
+ENGINE_PARTS = ("schedule", "prepare", "matmuls", "attention", "norms", "decode_layers",
+                "forward_rest",
                 "lm_head", "sampling", "update", "other", "idle")
 LOOP_PARTS = ("output_processing", "http_sse")
 
@@ -105,7 +112,19 @@ class Timers:
                 "clock": time.perf_counter(), "work_clocks": clocks}
 
 
-def instrument_engine(timers: Timers) -> None:
+class TimedDecodeLayers:
+    """A model's ``DecodeLayers``, its ``run`` a Python method (for ``Timers.wrap``)."""
+
+    def __init__(self, stack) -> None:
+        self.stack = stack
+
+    def run(self, *args):
+        return self.stack.run(*args)
+
+
+def instrument_engine(timers: Timers, module_layers: bool) -> None:
+    """Timers around the engine's parts; ``module_layers``: decodes run layer module by
+    layer module, not in one native call."""
     timers.wrap(Scheduler, "schedule", "schedule")
     timers.wrap(Scheduler, "update_from_output", "update")
     timers.wrap(EngineCore, "step", "step")
@@ -120,6 +139,16 @@ def instrument_engine(timers: Timers) -> None:
     for attention in (NativeDecode, NativePrefill, SdpaDecode, SdpaPrefill):
         timers.wrap(attention, "__call__", "attention")  # after rotary and the store
     timers.wrap(PagedCausalLM, "forward", "forward")
+    timers.wrap(TimedDecodeLayers, "run", "decode_layers")
+    pack = LlamaForCausalLM.pack
+
+    def instrumented_pack(self) -> None:
+        pack(self)
+        if self.decode_layers is not None:
+            self.decode_layers = None if module_layers else TimedDecodeLayers(
+                self.decode_layers)
+
+    LlamaForCausalLM.pack = instrumented_pack
     timers.wrap(Sampler, "__call__", "sampling")
     schedule = Scheduler.schedule
 
@@ -137,7 +166,7 @@ def start_engine_timers() -> None:
     """The engine process's setup hook: timers around the engine's parts, whose cumulative
     totals are written to ``$STEP_BREAKDOWN_FILE`` every ``SNAPSHOT_PERIOD_S``."""
     timers = Timers()
-    instrument_engine(timers)
+    instrument_engine(timers, os.environ.get(MODULE_LAYERS_ENV) == "1")
     path = os.environ[SNAPSHOT_ENV]
 
     def write_snapshots() -> None:
@@ -197,7 +226,9 @@ def level_breakdown(before: dict, after: dict, loop_seconds: collections.Counter
     parts = {
         "schedule": s["schedule"], "prepare": s["prepare"] + s["plan"],
         "matmuls": s["matmuls"], "attention": s["attention"], "norms": s["norms"],
-        "forward_rest": s["forward"] - s["matmuls"] - s["attention"] - s["norms"] - s["plan"],
+        "decode_layers": s["decode_layers"],
+        "forward_rest": (s["forward"] - s["matmuls"] - s["attention"] - s["norms"] - s["plan"]
+                         - s["decode_layers"]),
         "lm_head": s["lm_head"], "sampling": s["sampling"], "update": s["update"]}
     parts["other"] = s["step"] - sum(parts.values())
     parts.update({
@@ -267,8 +298,12 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--logprobs", type=int, default=None, metavar="N",
                         help="every request asks for the N most likely tokens' log-probabilities")
+    parser.add_argument("--module-layers", action="store_true",
+                        help="decodes layer module by layer module (splits the decode "
+                             "layers' time into matmuls, attention, norms and the rest)")
     parser.add_argument("--out", default="benchmarks/results/step_breakdown.json")
     args, server_args = parser.parse_known_args()
+    os.environ[MODULE_LAYERS_ENV] = "1" if args.module_layers else "0"
     server_args = [a for a in server_args if a != "--"]
     loop_timers = Timers()
     loop_timers.wrap(request_state.ChoiceState, "process", "output_processing")

@@ -6,7 +6,9 @@
 //   qkv = qkv_proj(rms_norm(h, input_norm))           (the projection's own kernel)
 //   rotary_store_kv(qkv, ...)                         (rotate q and k; k, v into the cache)
 //   h   = o_proj(paged_decode_attention(q, ...)) + h  (the add in the projection's kernel)
-//   h   = down_proj(gate_up_proj(rms_norm(h, post_norm))) + h   (gate_up gates SiLU)
+//   h   = down_proj(silu_and_mul(gate_up_proj(rms_norm(h, post_norm)))) + h
+//
+// where the gate/up projection's kernel gates SiLU itself, silu_and_mul is not called.
 //
 // A projection is bound once (``add_linear``): its op's name and its arguments but x and
 // the residual, in the order of every linear kernel's schema (x, <weight...>, residual,
@@ -52,6 +54,7 @@ struct DecodeLayers : torch::CustomClassHolder {
   struct Layer {
     at::Tensor input_norm, post_norm;
     int64_t window;  // the decode attention's: 0 is none
+    bool gate_after;  // silu_and_mul after the gate/up projection (its kernel does not gate)
   };
 
   double eps, scale;
@@ -59,6 +62,7 @@ struct DecodeLayers : torch::CustomClassHolder {
   std::vector<Layer> layers;
   std::vector<BoundLinear> linears;  // qkv, o, gate_up, down of each layer in turn
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul;
   c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, const at::Tensor&, at::Tensor,
                                 at::Tensor, const at::Tensor&, int64_t, int64_t)>
       rotary_store_kv;
@@ -72,6 +76,7 @@ struct DecodeLayers : torch::CustomClassHolder {
         head_dim(head_dim_),
         rms_norm(find_op("tokenmill::rms_norm")
                      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>()),
+        silu_and_mul(find_op("tokenmill::silu_and_mul").typed<at::Tensor(const at::Tensor&)>()),
         rotary_store_kv(
             find_op("tokenmill::rotary_store_kv")
                 .typed<void(at::Tensor, const at::Tensor&, const at::Tensor&, at::Tensor,
@@ -81,11 +86,11 @@ struct DecodeLayers : torch::CustomClassHolder {
                                                const at::Tensor&, const at::Tensor&,
                                                const at::Tensor&, double, int64_t)>()) {}
 
-  // The next layer's norms' weights and its attention's window; its projections follow by
-  // add_linear, four of them.
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm, int64_t window) {
+  // The next layer's norms' weights, its attention's window and whether silu_and_mul
+  // follows its gate/up projection; its projections follow by add_linear, four of them.
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, int64_t window, bool gate_after) {
     TORCH_CHECK(linears.size() == 4 * layers.size(), "each layer takes four projections");
-    layers.push_back({std::move(input_norm), std::move(post_norm), window});
+    layers.push_back({std::move(input_norm), std::move(post_norm), window, gate_after});
   }
 
   // A projection of the last layer added: op_name(x, *weight_args, residual,
@@ -120,7 +125,9 @@ struct DecodeLayers : torch::CustomClassHolder {
                                                         block_tables, seq_lens, scale,
                                                         layer.window);
       h = proj[1](attended.view({tokens, q_size}), h);
-      h = proj[3](proj[2](rms_norm.call(h, layer.post_norm, eps), c10::nullopt), h);
+      at::Tensor gated = proj[2](rms_norm.call(h, layer.post_norm, eps), c10::nullopt);
+      if (layer.gate_after) gated = silu_and_mul.call(gated);
+      h = proj[3](gated, h);
     }
     return h;
   }

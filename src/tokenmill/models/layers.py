@@ -209,14 +209,14 @@ class GatedLinear(Linear):
                  act_and_mul: Callable[[torch.Tensor], torch.Tensor], silu: bool):
         super().__init__(in_features, 2 * intermediate_size, False, dtype, device,
                          weight_format)
-        self._act_and_mul = act_and_mul
+        self.act_and_mul = act_and_mul
         self._silu = silu
         self.fused = False  # after pack: whether one kernel call gates
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             return self.packed(x)
-        return self._act_and_mul(super().forward(x))
+        return self.act_and_mul(super().forward(x))
 
     def pack(self) -> None:
         gated = (self.weight_format.pack_silu_gated(self.weight.data)

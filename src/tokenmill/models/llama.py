@@ -136,28 +136,29 @@ def native_decode_layers(model: LlamaForCausalLM):
     """The native kernels' ``DecodeLayers`` (``kernels/decode_layers.cpp``) bound to the
     packed model's layers, or None where a layer takes a step it does not: an attention
     backend other than the native kernels' (or more than one: every layer must share one
-    plan), QK-norm, norms by PyTorch's ops, or a projection whose packed weight is not one
-    kernel call (``KernelWeight``), the gate/up one included (it must gate SiLU itself)."""
+    plan), QK-norm, a norm or gate by PyTorch's ops (or GELU's), or a projection whose
+    packed weight is not one kernel call (``KernelWeight``)."""
     attentions = model.attentions
     if (len(attentions) != 1 or not isinstance(attentions[0], NativeAttention)
             or model.config.qk_norm or not hasattr(torch.classes.tokenmill, "DecodeLayers")):
         return None
-    attention, layers = attentions[0], model.model.layers
+    attention, layers, ops = attentions[0], model.model.layers, torch.ops.tokenmill
     linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                 layer.mlp.down_proj) for layer in layers]
     norms = [(layer.input_layernorm, layer.post_attention_layernorm) for layer in layers]
     if not (all(type(layer) is LlamaDecoderLayer for layer in layers)
-            and all(n.rms_norm_op is torch.ops.tokenmill.rms_norm for pair in norms
+            and all(n.rms_norm_op is ops.rms_norm for pair in norms
                     for n in pair)
             and all(isinstance(p.packed, KernelWeight) for four in linears for p in four)
-            and all(four[2].fused for four in linears)):
+            and all(four[2].fused or four[2].act_and_mul is ops.silu_and_mul
+                    for four in linears)):
         return None
     stack = torch.classes.tokenmill.DecodeLayers(
         model.config.rms_norm_eps, attention.num_heads, attention.num_kv_heads,
         attention.head_dim, attention.scale)
     for (input_norm, post_norm), four in zip(norms, linears, strict=True):
         stack.add_layer(input_norm.weight.data, post_norm.weight.data,
-                        attention.decode.window)
+                        attention.decode.window, not four[2].fused)
         for projection in four:
             call = projection.packed.kernel_call()
             stack.add_linear(call.op, call.weight_args, call.trailing_args)
