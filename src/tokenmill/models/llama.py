@@ -123,8 +123,8 @@ class LlamaForCausalLM(PagedCausalLM):
                    kv_caches: list[torch.Tensor], plans: list[AttentionPlan]) -> torch.Tensor:
         cos, sin = self.model.rotary_emb.cos_sin(positions)
         h = self.model.embed_tokens(input_ids)
-        plan = plans[0]
-        if self.decode_layers is not None and plan.prefill is None:  # one plan: see below
+        plan = plans[0]  # with decode_layers, every layer's (one attention backend)
+        if self.decode_layers is not None and plan.prefill is None:
             return self.decode_layers.run(h, cos, sin, kv_caches, plan.slot_mapping,
                                           plan.decode.block_tables, plan.decode.seq_lens)
         for layer, kv_cache, plan in zip(self.model.layers, kv_caches, plans, strict=True):
@@ -132,23 +132,22 @@ class LlamaForCausalLM(PagedCausalLM):
         return h
 
 
-def native_decode_layers(model: LlamaForCausalLM):
+def native_decode_layers(model: LlamaForCausalLM) -> torch.ScriptObject | None:
     """The native kernels' ``DecodeLayers`` (``kernels/decode_layers.cpp``) bound to the
     packed model's layers, or None where a layer takes a step it does not: an attention
     backend other than the native kernels' (or more than one: every layer must share one
     plan), QK-norm, a norm or gate by PyTorch's ops (or GELU's), or a projection whose
     packed weight is not one kernel call (``KernelWeight``)."""
-    attentions = model.attentions
+    attentions, layers, ops = model.attentions, model.model.layers, torch.ops.tokenmill
     if (len(attentions) != 1 or not isinstance(attentions[0], NativeAttention)
-            or model.config.qk_norm or not hasattr(torch.classes.tokenmill, "DecodeLayers")):
+            or model.config.qk_norm or not hasattr(torch.classes.tokenmill, "DecodeLayers")
+            or any(type(layer) is not LlamaDecoderLayer for layer in layers)):
         return None
-    attention, layers, ops = attentions[0], model.model.layers, torch.ops.tokenmill
+    attention = attentions[0]
+    norms = [(layer.input_layernorm, layer.post_attention_layernorm) for layer in layers]
     linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                 layer.mlp.down_proj) for layer in layers]
-    norms = [(layer.input_layernorm, layer.post_attention_layernorm) for layer in layers]
-    if not (all(type(layer) is LlamaDecoderLayer for layer in layers)
-            and all(n.rms_norm_op is ops.rms_norm for pair in norms
-                    for n in pair)
+    if not (all(norm.rms_norm_op is ops.rms_norm for pair in norms for norm in pair)
             and all(isinstance(p.packed, KernelWeight) for four in linears for p in four)
             and all(four[2].fused or four[2].act_and_mul is ops.silu_and_mul
                     for four in linears)):
