@@ -72,8 +72,7 @@ SNAPSHOT_ENV = "STEP_BREAKDOWN_FILE"
 MODULE_LAYERS_ENV = "STEP_BREAKDOWN_MODULE_LAYERS"  # "1": no native decode layers
 SNAPSHOT_PERIOD_S = 0.2
 ENGINE_PARTS = ("schedule", "prepare", "matmuls", "attention", "norms", "decode_layers",
-                "forward_rest",
-                "lm_head", "sampling", "update", "other", "idle")
+                "forward_rest", "lm_head", "sampling", "update", "other", "idle")
 LOOP_PARTS = ("output_processing", "http_sse")
 
 
