@@ -133,14 +133,15 @@ class LlamaForCausalLM(PagedCausalLM):
 
 
 def native_decode_layers(model: LlamaForCausalLM) -> torch.ScriptObject | None:
-    """The native kernels' ``DecodeLayers`` (``kernels/decode_layers.cpp``) bound to the
-    packed model's layers, or None where a layer takes a step it does not: an attention
-    backend other than the native kernels' (or more than one: every layer must share one
-    plan), QK-norm, a norm or gate by PyTorch's ops (or GELU's), or a projection whose
-    packed weight is not one kernel call (``KernelWeight``)."""
+    """The native kernels' ``DecodeLayers`` (``kernels/decode_layers.cpp``, in every build
+    of them) bound to the packed model's layers, or None where a layer takes a step it
+    does not: an attention backend other than the native kernels' (or more than one:
+    every layer must share one plan), QK-norm, a norm or gate by PyTorch's ops (or
+    GELU's), or a projection whose packed weight is not one kernel call
+    (``KernelWeight``)."""
     attentions, layers, ops = model.attentions, model.model.layers, torch.ops.tokenmill
     if (len(attentions) != 1 or not isinstance(attentions[0], NativeAttention)
-            or model.config.qk_norm or not hasattr(torch.classes.tokenmill, "DecodeLayers")
+            or model.config.qk_norm
             or any(type(layer) is not LlamaDecoderLayer for layer in layers)):
         return None
     attention = attentions[0]
