@@ -56,12 +56,10 @@ def test_one_native_call_equals_the_layer_modules(tiny_model_dir, native, varian
         assert torch.equal(ours, theirs)
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "gemma3"])
-def test_layers_it_cannot_run_take_the_modules(tiny_model_dir, native, variant):
-    """Qwen3's QK-norm and Gemma 3's layers (norms after each block, two attention
-    windows) are steps the native call does not take."""
-    model = load(tiny_model_dir(variant), "none", native)
-    assert getattr(model, "decode_layers", None) is None
+def test_qk_norm_takes_the_modules(tiny_model_dir, native):
+    """Qwen3's per-head QK-norm is a step the native call does not take."""
+    model = load(tiny_model_dir("qwen3"), "none", native)
+    assert model.decode_layers is None
 
 
 def test_pytorch_kernels_take_the_modules(tiny_model_dir):

@@ -53,12 +53,12 @@ c10::OperatorHandle find_op(const std::string& qualified_name) {
 struct DecodeLayers : torch::CustomClassHolder {
   struct Layer {
     at::Tensor input_norm, post_norm;
-    int64_t window;  // the decode attention's: 0 is none
     bool gate_after;  // silu_and_mul after the gate/up projection (its kernel does not gate)
   };
 
   double eps, scale;
   int64_t num_heads, num_kv_heads, head_dim;
+  int64_t window;  // the decode attention's, every layer's: 0 is none
   std::vector<Layer> layers;
   std::vector<BoundLinear> linears;  // qkv, o, gate_up, down of each layer in turn
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm;
@@ -71,9 +71,9 @@ struct DecodeLayers : torch::CustomClassHolder {
       decode_attention;
 
   DecodeLayers(double eps_, int64_t num_heads_, int64_t num_kv_heads_, int64_t head_dim_,
-               double scale_)
+               double scale_, int64_t window_)
       : eps(eps_), scale(scale_), num_heads(num_heads_), num_kv_heads(num_kv_heads_),
-        head_dim(head_dim_),
+        head_dim(head_dim_), window(window_),
         rms_norm(find_op("tokenmill::rms_norm")
                      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>()),
         silu_and_mul(find_op("tokenmill::silu_and_mul").typed<at::Tensor(const at::Tensor&)>()),
@@ -86,11 +86,11 @@ struct DecodeLayers : torch::CustomClassHolder {
                                                const at::Tensor&, const at::Tensor&,
                                                const at::Tensor&, double, int64_t)>()) {}
 
-  // The next layer's norms' weights, its attention's window and whether silu_and_mul
-  // follows its gate/up projection; its projections follow by add_linear, four of them.
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm, int64_t window, bool gate_after) {
+  // The next layer's norms' weights and whether silu_and_mul follows its gate/up
+  // projection; its projections follow by add_linear, four of them.
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, bool gate_after) {
     TORCH_CHECK(linears.size() == 4 * layers.size(), "each layer takes four projections");
-    layers.push_back({std::move(input_norm), std::move(post_norm), window, gate_after});
+    layers.push_back({std::move(input_norm), std::move(post_norm), gate_after});
   }
 
   // A projection of the last layer added: op_name(x, *weight_args, residual,
@@ -123,7 +123,7 @@ struct DecodeLayers : torch::CustomClassHolder {
       const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
       const at::Tensor attended = decode_attention.call(q, key_cache, value_cache,
                                                         block_tables, seq_lens, scale,
-                                                        layer.window);
+                                                        window);
       h = proj[1](attended.view({tokens, q_size}), h);
       at::Tensor gated = proj[2](rms_norm.call(h, layer.post_norm, eps), c10::nullopt);
       if (layer.gate_after) gated = silu_and_mul.call(gated);
@@ -137,7 +137,7 @@ struct DecodeLayers : torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.class_<DecodeLayers>("DecodeLayers")
-      .def(torch::init<double, int64_t, int64_t, int64_t, double>())
+      .def(torch::init<double, int64_t, int64_t, int64_t, double, int64_t>())
       .def("add_layer", &DecodeLayers::add_layer)
       .def("add_linear", &DecodeLayers::add_linear)
       .def("run", &DecodeLayers::run);

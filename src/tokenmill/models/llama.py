@@ -155,10 +155,9 @@ def native_decode_layers(model: LlamaForCausalLM) -> torch.ScriptObject | None:
         return None
     stack = torch.classes.tokenmill.DecodeLayers(
         model.config.rms_norm_eps, attention.num_heads, attention.num_kv_heads,
-        attention.head_dim, attention.scale)
+        attention.head_dim, attention.scale, attention.decode.window)
     for (input_norm, post_norm), four in zip(norms, linears, strict=True):
-        stack.add_layer(input_norm.weight.data, post_norm.weight.data,
-                        attention.decode.window, not four[2].fused)
+        stack.add_layer(input_norm.weight.data, post_norm.weight.data, not four[2].fused)
         for projection in four:
             call = projection.packed.kernel_call()
             stack.add_linear(call.op, call.weight_args, call.trailing_args)
