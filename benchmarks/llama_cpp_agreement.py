@@ -16,17 +16,24 @@ For each GGUF file it measures:
   how much more likely tokenmill's model finds its token than llama.cpp's (a small margin
   is a near tie that any difference in arithmetic flips). Also ``llama-server`` on the
   float32 dequantization against tokenmill in float32: two engines computing on the same
-  values.
+  values. And ``llama-server`` against itself: its greedy text on the file again with
+  ``--llama-cpp-variant`` added (by default ``-ctk bf16 -ctv bf16``, its KV cache in
+  bfloat16): how often llama.cpp's own text survives a change that small, the floor under
+  any other engine's agreement with it.
 
 The configurations: ``float32`` (the file's values, exact), the dtype ``auto`` gives
 with ``--quantization none`` (``serve``'s default) and with ``--quantization gguf``
 (the file's own blocks) where the native kernels take it, and ``--quantization
 gguf-llama-cpp`` (the file's values times activations rounded as llama.cpp rounds them).
 llama.cpp runs with ``--no-repack`` (its repacked AMX kernels crash on some AMX hosts)
-and its default float16 KV cache. Prints one table and writes JSON. Usage::
+and its default float16 KV cache, or with what ``--llama-cpp-args`` adds to both
+``llama-perplexity`` and ``llama-server`` (``"-ctk bf16 -ctv bf16"``: a bfloat16 KV cache,
+as tokenmill's where the host computes in bfloat16). Prints one table and writes JSON.
+Usage::
 
     python benchmarks/llama_cpp_agreement.py --llama-cpp LLAMA_CPP_BIN_DIR [--ctx 512]
-        [--max-tokens 48] [--text FILE] [--out FILE] GGUF [GGUF ...]
+        [--max-tokens 48] [--text FILE] [--llama-cpp-args ARGS] [--llama-cpp-variant ARGS]
+        [--out FILE] GGUF [GGUF ...]
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import gc
 import math
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import tempfile
@@ -135,11 +143,12 @@ def measure_tokenmill(path: str, options: dict, text: str, ctx: int, prompts: li
     return result
 
 
-def llama_perplexity(bin_dir: str, path: str, text_path: str, ctx: int) -> float:
+def llama_perplexity(bin_dir: str, path: str, text_path: str, ctx: int,
+                     extra_args: list[str]) -> float:
     """``llama-perplexity``'s final estimate for ``path``."""
     result = subprocess.run(
         [os.path.join(bin_dir, "llama-perplexity"), "-m", path, "-f", text_path, "-c", str(ctx),
-         "--no-repack", "-t", str(torch.get_num_threads())],
+         "--no-repack", "-t", str(torch.get_num_threads()), *extra_args],
         capture_output=True, text=True, check=True)
     found = re.search(r"Final estimate: PPL = ([0-9.]+)", result.stdout + result.stderr)
     if found is None:
@@ -156,14 +165,15 @@ def dequantized_f32(bin_dir: str, path: str, out_path: str) -> str:
 
 
 @contextlib.contextmanager
-def llama_server(bin_dir: str, path: str) -> Iterator[str]:
+def llama_server(bin_dir: str, path: str, extra_args: list[str]) -> Iterator[str]:
     """A ``llama-server`` with one slot serving ``path`` on a free loopback port."""
     port = free_port()
     with tempfile.TemporaryFile() as log:
         server = subprocess.Popen(
             [os.path.join(bin_dir, "llama-server"), "-m", path, "--host", "127.0.0.1",
              "--port", str(port), "-np", "1", "-c", "2048", "--no-repack",
-             "-t", str(torch.get_num_threads())], stdout=log, stderr=subprocess.STDOUT)
+             "-t", str(torch.get_num_threads()), *extra_args],
+            stdout=log, stderr=subprocess.STDOUT)
         base_url = f"http://127.0.0.1:{port}"
         try:
             for _ in range(SERVER_START_S * 2):
@@ -182,10 +192,10 @@ def llama_server(bin_dir: str, path: str) -> Iterator[str]:
             server.wait(timeout=30)
 
 
-def llama_server_greedy(bin_dir: str, path: str, prompts: list[list[int]],
-                        max_tokens: int) -> list[list[int]]:
+def llama_server_greedy(bin_dir: str, path: str, extra_args: list[str],
+                        prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """``llama-server``'s greedy tokens after each prompt's token ids."""
-    with llama_server(bin_dir, path) as base_url:
+    with llama_server(bin_dir, path, extra_args) as base_url:
         outputs = []
         for prompt in prompts:
             response = httpx.post(base_url + "/completion", timeout=300, json={
@@ -209,14 +219,19 @@ def measure_file(args: argparse.Namespace, path: str, text: str, scratch: str) -
     f32_path = dequantized_f32(args.llama_cpp, path,
                                os.path.join(scratch, "f32-" + os.path.basename(path)))
     prompts = chat_prompts(path)
-    theirs = llama_server_greedy(args.llama_cpp, path, prompts, args.max_tokens)
-    theirs_f32 = llama_server_greedy(args.llama_cpp, f32_path, prompts, args.max_tokens)
+    extra = shlex.split(args.llama_cpp_args)
+    theirs = llama_server_greedy(args.llama_cpp, path, extra, prompts, args.max_tokens)
+    theirs_f32 = llama_server_greedy(args.llama_cpp, f32_path, extra, prompts, args.max_tokens)
+    variant = llama_server_greedy(args.llama_cpp, path,
+                                  [*extra, *shlex.split(args.llama_cpp_variant)], prompts,
+                                  args.max_tokens)
     report = {"file": os.path.basename(path),
               "llama_cpp_perplexity": llama_perplexity(args.llama_cpp, path, args.text,
-                                                       args.ctx),
+                                                       args.ctx, extra),
               "llama_cpp_f32_perplexity": llama_perplexity(args.llama_cpp, f32_path,
-                                                           args.text, args.ctx),
-              "llama_cpp_outputs": theirs, "configs": {}}
+                                                           args.text, args.ctx, extra),
+              "llama_cpp_outputs": theirs,
+              "llama_cpp_variant_agreement": agreement(variant, theirs), "configs": {}}
     os.remove(f32_path)
     for name, options in configurations().items():
         result = measure_tokenmill(path, options, text, args.ctx, prompts, theirs,
@@ -235,9 +250,11 @@ def print_table(reports: list[dict], args: argparse.Namespace) -> None:
                         f"and greedy agreement ({len(QUESTIONS)} prompts x "
                         f"{args.max_tokens} tokens)")
     for column in ("file", "config", "perplexity", "llama.cpp", "diff", "llama.cpp F32",
-                   "diff F32", "same text", "common prefix", "margin p50", "same text (F32)"):
+                   "diff F32", "same text", "common prefix", "margin p50", "same text (F32)",
+                   "llama.cpp variant"):
         table.add_column(column, justify="right")
     for report in reports:
+        variant = report["llama_cpp_variant_agreement"]
         for name, r in report["configs"].items():
             a, f32 = r["agreement"], r.get("agreement_f32")
             table.add_row(report["file"], name, f"{r['perplexity']:.3f}",
@@ -246,8 +263,9 @@ def print_table(reports: list[dict], args: argparse.Namespace) -> None:
                           f"{r['vs_llama_cpp_f32']:+.2%}",
                           f"{a['identical']}/{a['prompts']}", f"{a['common_prefix']:.0%}",
                           f"{statistics.median(r['margins']):.3f}" if r["margins"] else "-",
-                          f"{f32['identical']}/{f32['prompts']}" if f32 else "-")
-    Console(width=160).print(table)
+                          f"{f32['identical']}/{f32['prompts']}" if f32 else "-",
+                          f"{variant['identical']}/{variant['prompts']}")
+    Console(width=180).print(table)
 
 
 def main() -> None:
@@ -257,6 +275,12 @@ def main() -> None:
     parser.add_argument("--text", default=TEXT)
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--llama-cpp-args", default="",
+                        help="more options for llama-perplexity and llama-server, "
+                             "e.g. \"-ctk bf16 -ctv bf16\"")
+    parser.add_argument("--llama-cpp-variant", default="-ctk bf16 -ctv bf16",
+                        help="options that change llama-server a little, to measure how "
+                             "often its greedy text stays its own")
     parser.add_argument("--out", default="benchmarks/results/llama_cpp_agreement.json")
     parser.add_argument("gguf", nargs="+")
     args = parser.parse_args()
