@@ -82,8 +82,9 @@ class KernelWeight:
         op, options = self.linear, {}
         if isinstance(op, functools.partial):
             op, options = op.func, op.keywords
-        trailing = op.default._schema.arguments[len(weight_args) + 2:]
-        return KernelCall(op._qualified_op_name, weight_args,
+        schema = op.default._schema
+        trailing = schema.arguments[len(weight_args) + 2:]
+        return KernelCall(schema.name, weight_args,
                           [options.get(a.name, a.default_value) for a in trailing])
 
 

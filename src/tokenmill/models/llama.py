@@ -123,10 +123,10 @@ class LlamaForCausalLM(PagedCausalLM):
                    kv_caches: list[torch.Tensor], plans: list[AttentionPlan]) -> torch.Tensor:
         cos, sin = self.model.rotary_emb.cos_sin(positions)
         h = self.model.embed_tokens(input_ids)
-        plan = plans[0]  # with decode_layers, every layer's (one attention backend)
-        if self.decode_layers is not None and plan.prefill is None:
-            return self.decode_layers.run(h, cos, sin, kv_caches, plan.slot_mapping,
-                                          plan.decode.block_tables, plan.decode.seq_lens)
+        shared = plans[0]  # with decode_layers, every layer's (one attention backend)
+        if self.decode_layers is not None and shared.prefill is None:
+            return self.decode_layers.run(h, cos, sin, kv_caches, shared.slot_mapping,
+                                          shared.decode.block_tables, shared.decode.seq_lens)
         for layer, kv_cache, plan in zip(self.model.layers, kv_caches, plans, strict=True):
             h = layer(h, cos, sin, kv_cache, plan)
         return h
