@@ -1,6 +1,7 @@
 """``DecodeLayers``: a batch of decodes through every layer in one native call gives the
 logits and the KV cache the layer modules give, bit for bit, in every weight format this
-host runs; models it cannot run take the modules."""
+host runs, also where the call splits many sequences between its threads; models it cannot
+run take the modules."""
 
 from __future__ import annotations
 
@@ -42,6 +43,23 @@ def decode_steps(model, native: bool) -> tuple[list[torch.Tensor], list[torch.Te
     return logits, runner.kv_caches
 
 
+def many_decode_steps(model, native: bool, streams: int):
+    """Logits of ``streams`` sequences' prompts (lengths 1 to 23) and then of three decode
+    steps of all of them, with ``decode_layers`` on or off for the decodes; and the KV
+    caches at the end."""
+    stack = model.decode_layers
+    runner = PagedRunner(model, num_blocks=streams * 7, block_size=4)
+    logits = [runner.step([(s, [10 + (s * 7 + i) % 90 for i in range(1 + s % 23)])
+                           for s in range(streams)])]
+    model.decode_layers = stack if native else None
+    try:
+        for step in range(3):
+            logits.append(runner.step([(s, [100 + (s + step) % 50]) for s in range(streams)]))
+    finally:
+        model.decode_layers = stack
+    return logits, runner.kv_caches
+
+
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral", "phi3"])
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 def test_one_native_call_equals_the_layer_modules(tiny_model_dir, native, variant,
@@ -50,6 +68,27 @@ def test_one_native_call_equals_the_layer_modules(tiny_model_dir, native, varian
     assert model.decode_layers is not None
     native_logits, native_caches = decode_steps(model, native=True)
     module_logits, module_caches = decode_steps(model, native=False)
+    for ours, theirs in zip(native_logits, module_logits, strict=True):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(native_caches, module_caches, strict=True):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("variant", ["llama", "mistral"])
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_sequences_split_between_threads_equal_the_layer_modules(tiny_model_dir, native,
+                                                                 variant, quantization):
+    """With 16 decode tokens or more a thread, each thread takes its own share of the
+    sequences through every layer (shares of unequal sizes here)."""
+    model = load(tiny_model_dir(variant), quantization, native)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        streams = 16 * 2 + 3
+        native_logits, native_caches = many_decode_steps(model, True, streams)
+        module_logits, module_caches = many_decode_steps(model, False, streams)
+    finally:
+        torch.set_num_threads(threads)
     for ours, theirs in zip(native_logits, module_logits, strict=True):
         assert torch.equal(ours, theirs)
     for ours, theirs in zip(native_caches, module_caches, strict=True):

@@ -16,7 +16,13 @@
 // the modules' bit for bit; what this saves is the Python between the ops (module calls,
 // attribute lookups, views): a measurable share of a step at a few streams, where the
 // kernels themselves take tens of microseconds.
+//
+// With many sequences (kMinRowsPerThread decode tokens a thread or more), each thread
+// takes a contiguous share of them through every layer instead: no thread waits for the
+// others at the end of every op, and a sequence's row gets the same result in its share as
+// in the whole batch (the kernels' results do not depend on a row's neighbours).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -49,6 +55,11 @@ c10::OperatorHandle find_op(const std::string& qualified_name) {
   TORCH_CHECK(handle.has_value(), "no op named ", qualified_name);
   return *handle;
 }
+
+// Decode tokens a thread needs before run splits the sequences between the threads: below
+// it, each op splits its own work between them instead (a thread's few rows would make
+// each of its matmuls read weights for too few products).
+constexpr int64_t kMinRowsPerThread = 16;
 
 struct DecodeLayers : torch::CustomClassHolder {
   struct Layer {
@@ -111,6 +122,32 @@ struct DecodeLayers : torch::CustomClassHolder {
                  const at::Tensor& block_tables, const at::Tensor& seq_lens) const {
     TORCH_CHECK(linears.size() == 4 * layers.size(), "a layer lacks its projections");
     TORCH_CHECK(kv_caches.size() == layers.size(), "one KV cache per layer");
+    const int64_t tokens = h.size(0), threads = at::get_num_threads();
+    if (threads < 2 || tokens < kMinRowsPerThread * threads || at::in_parallel_region()) {
+      return run_rows(h, cos, sin, kv_caches, slot_mapping, block_tables, seq_lens);
+    }
+    // One contiguous share of the sequences a thread, every layer of it on that thread
+    // (the ops, called inside the parallel region, run on their caller's thread alone).
+    std::vector<at::Tensor> shares(threads);
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t share = begin; share < end; ++share) {
+        const int64_t first = tokens * share / threads;
+        const int64_t count = tokens * (share + 1) / threads - first;
+        shares[share] = run_rows(h.narrow(0, first, count), cos.narrow(0, first, count),
+                                 sin.narrow(0, first, count), kv_caches,
+                                 slot_mapping.narrow(0, first, count),
+                                 block_tables.narrow(0, first, count),
+                                 seq_lens.narrow(0, first, count));
+      }
+    });
+    return at::cat(shares);
+  }
+
+  // run's layers for the rows of h: each row a decode token of its own sequence, the
+  // sequence's row of block_tables and seq_lens, its slot and its rotary cos and sin.
+  at::Tensor run_rows(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
+                      const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens) const {
     const int64_t tokens = h.size(0), q_size = num_heads * head_dim;
     for (size_t i = 0; i < layers.size(); ++i) {
       const Layer& layer = layers[i];
