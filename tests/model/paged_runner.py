@@ -34,9 +34,12 @@ class PagedRunner:
         self.block_tables: dict[int, list[int]] = {}
         self.seq_lens: dict[int, int] = {}
 
-    def step(self, chunks: list[tuple[int, list[int]]], all_tokens: bool = False) -> torch.Tensor:
+    def step(self, chunks: list[tuple[int, list[int]]], all_tokens: bool = False,
+             verify: bool = False) -> torch.Tensor:
         """Run one forward over ``[(seq_id, new_token_ids), ...]``: the logits ``[B, V]`` of
-        each chunk's last token, or ``[T, V]`` of every token with ``all_tokens``."""
+        each chunk's last token, or ``[T, V]`` of every token with ``all_tokens``; with
+        ``verify`` every new token is a decode row (a speculative verification's), else a
+        chunk of several tokens is a prefill."""
         input_ids, positions, slots, query_start_loc, seq_lens = [], [], [], [0], []
         for seq_id, tokens in chunks:
             start = self.seq_lens.get(seq_id, 0)
@@ -61,6 +64,7 @@ class PagedRunner:
             seq_lens=seq_lens,
             block_tables=torch.tensor(tables),
             block_size=self.block_size,
+            prefill_lens=[0] * len(chunks) if verify else None,
         )
         with torch.inference_mode():
             hidden = self.model(

@@ -44,9 +44,9 @@ def decode_steps(model, native: bool) -> tuple[list[torch.Tensor], list[torch.Te
 
 
 def many_decode_steps(model, native: bool, streams: int):
-    """Logits of ``streams`` sequences' prompts (lengths 1 to 23) and then of three decode
-    steps of all of them, with ``decode_layers`` on or off for the decodes; and the KV
-    caches at the end."""
+    """Logits of ``streams`` sequences' prompts (lengths 1 to 23), then of three decode
+    steps of all of them and of a verification of two tokens each, with ``decode_layers``
+    on or off for the decodes; and the KV caches at the end."""
     stack = model.decode_layers
     runner = PagedRunner(model, num_blocks=streams * 7, block_size=4)
     logits = [runner.step([(s, [10 + (s * 7 + i) % 90 for i in range(1 + s % 23)])
@@ -55,6 +55,8 @@ def many_decode_steps(model, native: bool, streams: int):
     try:
         for step in range(3):
             logits.append(runner.step([(s, [100 + (s + step) % 50]) for s in range(streams)]))
+        logits.append(runner.step([(s, [11 + s % 7, 12]) for s in range(streams)],
+                                  all_tokens=True, verify=True))
     finally:
         model.decode_layers = stack
     return logits, runner.kv_caches
@@ -78,8 +80,9 @@ def test_one_native_call_equals_the_layer_modules(tiny_model_dir, native, varian
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 def test_sequences_split_between_threads_equal_the_layer_modules(tiny_model_dir, native,
                                                                  variant, quantization):
-    """With 16 decode tokens or more a thread, each thread takes its own share of the
-    sequences through every layer (shares of unequal sizes here)."""
+    """With 16 decode tokens or more a thread, each one of its own sequence, each thread
+    takes its own share of the sequences through every layer (shares of unequal sizes
+    here); a verification's rows, which attend to each other's keys and values, do not."""
     model = load(tiny_model_dir(variant), quantization, native)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -123,6 +123,17 @@ def test_plan_takes_the_batched_decode_path():
     assert attention.plan(md, cache.shape[1]).decode.mask is None
 
 
+def test_plan_tells_whether_each_decode_row_is_its_sequence_s_only_one():
+    """One decode a sequence: its rows are independent; a verification's several decode rows
+    of one sequence attend to each other's new keys and values."""
+    attention = SdpaAttention(HEADS, KV_HEADS, HEAD_DIM, torch.float32)
+    cache, md, _, _ = make_batch([1, 13, 6], [1, 1, 1], seed=0)
+    assert attention.plan(md, cache.shape[1]).decodes_one_per_sequence
+    cache, md, _, _ = make_batch([13, 6], [3, 1], seed=0)
+    verification = dataclasses.replace(md, prefill_lens=[0, 0])
+    assert not attention.plan(verification, cache.shape[1]).decodes_one_per_sequence
+
+
 def without_amx(native):
     """``native`` as a build on a CPU without AMX: ``NativeAttention`` then takes the prefill
     kernel wherever the build has it (with AMX it prefers SDPA's)."""

@@ -17,10 +17,12 @@
 // attribute lookups, views): a measurable share of a step at a few streams, where the
 // kernels themselves take tens of microseconds.
 //
-// With many sequences (kMinRowsPerThread decode tokens a thread or more), each thread
-// takes a contiguous share of them through every layer instead: no thread waits for the
-// others at the end of every op, and a sequence's row gets the same result in its share as
-// in the whole batch (the kernels' results do not depend on a row's neighbours).
+// With many sequences of one decode token each (kMinRowsPerThread a thread or more), each
+// thread takes a contiguous share of them through every layer instead: no thread waits for
+// the others at the end of every op, and a sequence's row gets the same result in its
+// share as in the whole batch (the kernels' results do not depend on a row's neighbours).
+// A speculative verification's rows attend to each other's new keys and values, stored
+// within the same layer: they are never split.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -116,14 +118,18 @@ struct DecodeLayers : torch::CustomClassHolder {
   }
 
   // The hidden states after the last layer, before the final norm; writes each layer's new
-  // keys and values into its cache at slot_mapping.
+  // keys and values into its cache at slot_mapping. one_per_sequence: every row is a
+  // sequence of its own (no row attends to another row's new key and value), so the rows
+  // may go to the threads in shares.
   at::Tensor run(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
                  const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
-                 const at::Tensor& block_tables, const at::Tensor& seq_lens) const {
+                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                 bool one_per_sequence) const {
     TORCH_CHECK(linears.size() == 4 * layers.size(), "a layer lacks its projections");
     TORCH_CHECK(kv_caches.size() == layers.size(), "one KV cache per layer");
     const int64_t tokens = h.size(0), threads = at::get_num_threads();
-    if (threads < 2 || tokens < kMinRowsPerThread * threads || at::in_parallel_region()) {
+    if (!one_per_sequence || threads < 2 || tokens < kMinRowsPerThread * threads ||
+        at::in_parallel_region()) {
       return run_rows(h, cos, sin, kv_caches, slot_mapping, block_tables, seq_lens);
     }
     // One contiguous share of the sequences a thread, every layer of it on that thread

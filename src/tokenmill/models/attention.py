@@ -69,6 +69,9 @@ class AttentionPlan(Generic[D, P]):
     decode_token_idx: torch.Tensor | None
     decode: D | None  # the decode attention's sub-plan; None: no decode sequence
     prefill: P | None  # the prefill attention's sub-plan; None: no prefill sequence
+    # whether every decode row is the only one of its sequence, so that none attends to
+    # another row's new key and value (False: a speculative verification's rows)
+    decodes_one_per_sequence: bool
 
 
 class DecodeAttention(Protocol[D]):
@@ -158,7 +161,8 @@ class AttentionBackend(ABC, Generic[D, P]):
             decode = self._plan_decode(tables, lens, md.block_size, num_cache_blocks)
         prefill = (self.prefill.plan(md, prefill_rows, num_cache_blocks) if prefill_rows
                    else None)
-        return AttentionPlan(md.slot_mapping, decode_idx, decode, prefill)
+        return AttentionPlan(md.slot_mapping, decode_idx, decode, prefill,
+                             len(set(seqs)) == len(seqs))
 
     def _plan_decode(self, block_tables: torch.Tensor, seq_lens: list[int], block_size: int,
                      num_cache_blocks: int) -> D:

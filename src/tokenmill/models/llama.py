@@ -126,7 +126,8 @@ class LlamaForCausalLM(PagedCausalLM):
         shared = plans[0]  # with decode_layers, every layer's (one attention backend)
         if self.decode_layers is not None and shared.prefill is None:
             return self.decode_layers.run(h, cos, sin, kv_caches, shared.slot_mapping,
-                                          shared.decode.block_tables, shared.decode.seq_lens)
+                                          shared.decode.block_tables, shared.decode.seq_lens,
+                                          shared.decodes_one_per_sequence)
         for layer, kv_cache, plan in zip(self.model.layers, kv_caches, plans, strict=True):
             h = layer(h, cos, sin, kv_cache, plan)
         return h
