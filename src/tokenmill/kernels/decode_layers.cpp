@@ -17,7 +17,7 @@
 // attribute lookups, views): a measurable share of a step at a few streams, where the
 // kernels themselves take tens of microseconds.
 //
-// With many sequences of one decode token each (kMinRowsPerThread a thread or more), each
+// With many sequences of one decode token each (min_rows_per_thread a thread or more), each
 // thread takes a contiguous share of them through every layer instead: no thread waits for
 // the others at the end of every op, and a sequence's row gets the same result in its
 // share as in the whole batch (the kernels' results do not depend on a row's neighbours).
@@ -58,12 +58,6 @@ c10::OperatorHandle find_op(const std::string& qualified_name) {
   return *handle;
 }
 
-// Decode tokens a thread needs before run splits the sequences between the threads: below
-// it, each op splits its own work between them instead (a thread's few rows would make
-// each of its matmuls read weights for too few products; on a Zen 4 host, 8 a thread was
-// 2-8% slower than no split at 16 sequences, 16 a thread 1-10% faster at 64).
-constexpr int64_t kMinRowsPerThread = 16;
-
 struct DecodeLayers : torch::CustomClassHolder {
   struct Layer {
     at::Tensor input_norm, post_norm;
@@ -73,6 +67,9 @@ struct DecodeLayers : torch::CustomClassHolder {
   double eps, scale;
   int64_t num_heads, num_kv_heads, head_dim;
   int64_t window;  // the decode attention's, every layer's: 0 is none
+  // decode tokens a thread needs before run gives each thread a share of the sequences
+  // (each thread then reads every weight itself); 0: never
+  int64_t min_rows_per_thread;
   std::vector<Layer> layers;
   std::vector<BoundLinear> linears;  // qkv, o, gate_up, down of each layer in turn
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm;
@@ -85,9 +82,9 @@ struct DecodeLayers : torch::CustomClassHolder {
       decode_attention;
 
   DecodeLayers(double eps_, int64_t num_heads_, int64_t num_kv_heads_, int64_t head_dim_,
-               double scale_, int64_t window_)
+               double scale_, int64_t window_, int64_t min_rows_per_thread_)
       : eps(eps_), scale(scale_), num_heads(num_heads_), num_kv_heads(num_kv_heads_),
-        head_dim(head_dim_), window(window_),
+        head_dim(head_dim_), window(window_), min_rows_per_thread(min_rows_per_thread_),
         rms_norm(find_op("tokenmill::rms_norm")
                      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>()),
         silu_and_mul(find_op("tokenmill::silu_and_mul").typed<at::Tensor(const at::Tensor&)>()),
@@ -129,8 +126,8 @@ struct DecodeLayers : torch::CustomClassHolder {
     TORCH_CHECK(linears.size() == 4 * layers.size(), "a layer lacks its projections");
     TORCH_CHECK(kv_caches.size() == layers.size(), "one KV cache per layer");
     const int64_t tokens = h.size(0), threads = at::get_num_threads();
-    if (!one_per_sequence || threads < 2 || tokens < kMinRowsPerThread * threads ||
-        at::in_parallel_region()) {
+    if (!one_per_sequence || min_rows_per_thread == 0 || threads < 2 ||
+        tokens < min_rows_per_thread * threads || at::in_parallel_region()) {
       return run_rows(h, cos, sin, kv_caches, slot_mapping, block_tables, seq_lens);
     }
     // One contiguous share of the sequences a thread, every layer of it on that thread
@@ -181,7 +178,7 @@ struct DecodeLayers : torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.class_<DecodeLayers>("DecodeLayers")
-      .def(torch::init<double, int64_t, int64_t, int64_t, double, int64_t>())
+      .def(torch::init<double, int64_t, int64_t, int64_t, double, int64_t, int64_t>())
       .def("add_layer", &DecodeLayers::add_layer)
       .def("add_linear", &DecodeLayers::add_linear)
       .def("run", &DecodeLayers::run);
