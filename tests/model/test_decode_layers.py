@@ -90,7 +90,7 @@ def test_sequences_split_between_threads_equal_the_layer_modules(tiny_model_dir,
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        streams = (split_rows_per_thread(torch.ops.tokenmill) or 16) * 2 + 3
+        streams = (split_rows_per_thread(native.capabilities) or 16) * 2 + 3
         native_logits, native_caches = many_decode_steps(model, True, streams)
         module_logits, module_caches = many_decode_steps(model, False, streams)
     finally:

@@ -62,6 +62,7 @@ class PagedCausalLM(nn.Module):
                  weight_format: WeightFormat | None = None):
         super().__init__()
         self.config = config
+        self.kernels = kernels
         self.layer_attentions = attention_backends(config, dtype, kernels)
         self.attentions: list[AttentionBackend] = []  # distinct, planned once per forward
         for backend in self.layer_attentions:

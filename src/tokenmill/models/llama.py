@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.kernels import KernelCapabilities
 from tokenmill.kernels.linear import KernelWeight
 from tokenmill.models.attention import AttentionBackend, AttentionPlan
 from tokenmill.models.attention_native import NativeAttention
@@ -133,15 +134,14 @@ class LlamaForCausalLM(PagedCausalLM):
         return h
 
 
-def split_rows_per_thread(ops) -> int:
+def split_rows_per_thread(capabilities: KernelCapabilities) -> int:
     """Decode rows a thread needs before ``DecodeLayers`` gives each thread its own share
     of the sequences (0: never). Each thread then reads every weight itself, so a share
     pays only where its rows' products take longer than reading the weights: 16 a thread
     where the linear kernels multiply with AVX-512 or AVX2 (on a Zen 4 host, 8 a thread was
     2-8% slower than no split at 16 sequences, 16 a thread 1-10% faster at 32 and 64);
     never where they multiply on AMX tiles, several times faster a row (not measured)."""
-    tiles = hasattr(ops, "bf16_linear_uses_tiles") and ops.bf16_linear_uses_tiles()
-    return 0 if tiles else 16
+    return 0 if capabilities.linear_tiles else 16
 
 
 def native_decode_layers(model: LlamaForCausalLM) -> torch.ScriptObject | None:
@@ -168,7 +168,7 @@ def native_decode_layers(model: LlamaForCausalLM) -> torch.ScriptObject | None:
     stack = torch.classes.tokenmill.DecodeLayers(
         model.config.rms_norm_eps, attention.num_heads, attention.num_kv_heads,
         attention.head_dim, attention.scale, attention.decode.window,
-        split_rows_per_thread(ops))
+        split_rows_per_thread(model.kernels.capabilities))
     for (input_norm, post_norm), four in zip(norms, linears, strict=True):
         stack.add_layer(input_norm.weight.data, post_norm.weight.data, not four[2].fused)
         for projection in four:
