@@ -24,6 +24,7 @@ from roofline import best_seconds  # noqa: E402  (sibling module)
 from tokenmill.kernels import native_kernels
 from tokenmill.models.attention_native import NativeDecode
 from tokenmill.models.attention_sdpa import SdpaAttention
+from tokenmill.models.kv_int8 import quantize_rows
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -31,6 +32,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                        help="auto: the cache in --dtype; int8: 8-bit rows")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
@@ -55,6 +58,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     caches = [torch.randn(2, num_blocks, bs, args.kv_heads, d, generator=gen).to(dtype)
               for _ in range(args.layers)]
+    if args.kv_cache_dtype == "int8":
+        caches = [quantize_rows(cache) for cache in caches]
     tables = torch.randperm(num_blocks, generator=gen).view(args.seqs, blocks_per_seq)
     q = torch.randn(args.seqs, args.heads, d, generator=gen).to(dtype)
     lens = [args.context] * args.seqs
@@ -72,12 +77,14 @@ def main() -> None:
         sdpa_s = best_seconds(lambda: every_layer(
             lambda cache: sdpa.decode(q, cache, sdpa_plan, d**-0.5)), args.repeats) / args.layers
     visible = min(args.context, args.window or args.context)
-    kv_bytes = 2 * args.seqs * visible * args.kv_heads * d * caches[0].element_size()
+    row_bytes = caches[0].shape[-1] * caches[0].element_size()  # a (token, KV head) row
+    kv_bytes = 2 * args.seqs * visible * args.kv_heads * row_bytes
     report = {"args": vars(args), "torch": torch.__version__, "native_us": native_s * 1e6,
               "sdpa_us": sdpa_s * 1e6, "ratio": sdpa_s / native_s,
               "native_kv_gb_s": kv_bytes / native_s / 1e9}
     print(f"{args.seqs} x {args.context} keys (window {args.window}), heads {args.heads}/"
-          f"{args.kv_heads} of {d}, {args.dtype}, {args.threads} thread(s), {args.layers} "
+          f"{args.kv_heads} of {d}, {args.dtype} (cache {args.kv_cache_dtype}), "
+          f"{args.threads} thread(s), {args.layers} "
           f"layer(s): native {report['native_us']:.0f} us a layer "
           f"({report['native_kv_gb_s']:.1f} GB/s of keys and values), SDPA "
           f"{report['sdpa_us']:.0f} us, ratio {report['ratio']:.2f}")

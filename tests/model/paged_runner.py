@@ -6,7 +6,8 @@ sequence's blocks are neither contiguous nor ordered), builds the ``AttentionMet
 exactly as its docstring lays out, and returns the logits of each chunk's last token.
 
 The KV cache starts filled with large random values: a read of any slot the batch did not
-write (padding, another sequence's block) shows up as a wrong logit.
+write (padding, another sequence's block) shows up as a wrong logit. With ``kv_int8`` the
+cache holds 8-bit rows (``kv_int8``), of such values too.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import random
 import torch
 
 from tokenmill.models.attention_metadata import AttentionMetadata
+from tokenmill.models.kv_int8 import quantize_rows
 
 
 class PagedRunner:
-    def __init__(self, model, num_blocks: int = 96, block_size: int = 4, seed: int = 0):
+    def __init__(self, model, num_blocks: int = 96, block_size: int = 4, seed: int = 0,
+                 kv_int8: bool = False):
         gen = torch.Generator().manual_seed(seed)
         dtype = model.model.embed_tokens.weight.dtype
         shape = model.kv_cache_shape(num_blocks, block_size)
@@ -27,6 +30,8 @@ class PagedRunner:
             (torch.randn(shape, generator=gen) * 100).to(dtype)
             for _ in range(model.config.num_hidden_layers)
         ]
+        if kv_int8:
+            self.kv_caches = [quantize_rows(cache) for cache in self.kv_caches]
         self.model = model
         self.block_size = block_size
         self.free_blocks = list(range(num_blocks))

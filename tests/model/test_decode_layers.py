@@ -27,12 +27,14 @@ def load(model_dir: str, quantization: str, kernels):
     return model
 
 
-def decode_steps(model, native: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def decode_steps(model, native: bool,
+                 kv_int8: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Logits of a prefill and then of decode steps (one token for each of three sequences
     of different lengths, then two tokens of one sequence: a speculative verification's
-    rows), with ``decode_layers`` on or off for the decodes; and the KV caches at the end."""
+    rows), with ``decode_layers`` on or off for the decodes; and the KV caches at the end
+    (8-bit ones where ``kv_int8``)."""
     stack = model.decode_layers
-    runner = PagedRunner(model, block_size=4)
+    runner = PagedRunner(model, block_size=4, kv_int8=kv_int8)
     logits = [runner.step([(0, list(range(30, 47))), (1, [5, 6, 7]), (2, list(range(60, 69)))])]
     model.decode_layers = stack if native else None
     try:
@@ -44,12 +46,13 @@ def decode_steps(model, native: bool) -> tuple[list[torch.Tensor], list[torch.Te
     return logits, runner.kv_caches
 
 
-def many_decode_steps(model, native: bool, streams: int):
+def many_decode_steps(model, native: bool, streams: int, kv_int8: bool = False):
     """Logits of ``streams`` sequences' prompts (lengths 1 to 23), then of three decode
     steps of all of them and of a verification of two tokens each, with ``decode_layers``
-    on or off for the decodes; and the KV caches at the end."""
+    on or off for the decodes; and the KV caches at the end (8-bit ones where
+    ``kv_int8``)."""
     stack = model.decode_layers
-    runner = PagedRunner(model, num_blocks=streams * 7, block_size=4)
+    runner = PagedRunner(model, num_blocks=streams * 7, block_size=4, kv_int8=kv_int8)
     logits = [runner.step([(s, [10 + (s * 7 + i) % 90 for i in range(1 + s % 23)])
                            for s in range(streams)])]
     model.decode_layers = stack if native else None
@@ -99,6 +102,29 @@ def test_sequences_split_between_threads_equal_the_layer_modules(tiny_model_dir,
         assert torch.equal(ours, theirs)
     for ours, theirs in zip(native_caches, module_caches, strict=True):
         assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("quantization", ["none", "w8a8"])
+def test_an_8_bit_cache_through_one_native_call_equals_the_layer_modules(
+        tiny_model_dir, native, quantization):
+    """The same with the KV cache in 8-bit rows: a few sequences, and enough of them that
+    each of two threads takes its own share."""
+    model = load(tiny_model_dir("llama"), quantization, native)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        streams = (split_rows_per_thread(native.capabilities) or 16) * 2 + 3
+        runs = [(decode_steps(model, True, kv_int8=True), decode_steps(model, False, kv_int8=True)),
+                (many_decode_steps(model, True, streams, kv_int8=True),
+                 many_decode_steps(model, False, streams, kv_int8=True))]
+    finally:
+        torch.set_num_threads(threads)
+    for (native_logits, native_caches), (module_logits, module_caches) in runs:
+        assert native_caches[0].dtype == torch.int8
+        for ours, theirs in zip(native_logits, module_logits, strict=True):
+            assert torch.equal(ours, theirs)
+        for ours, theirs in zip(native_caches, module_caches, strict=True):
+            assert torch.equal(ours, theirs)
 
 
 def test_qk_norm_takes_the_modules(tiny_model_dir, native):

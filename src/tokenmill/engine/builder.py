@@ -18,6 +18,7 @@ from tokenmill.hardware import pick_device, resolve_dtype
 from tokenmill.kernels import choose_kernels
 from tokenmill.model_source import model_name_for
 from tokenmill.models.config import ModelConfig
+from tokenmill.models.kv_int8 import row_width
 from tokenmill.models.loader import load_model
 
 logger = logging.getLogger("tokenmill")
@@ -44,15 +45,17 @@ def build_engine(config: EngineConfig) -> Engine:
     model, model_config = load_model(config.model, dtype, device, config.quantization,
                                      kernels, config.batch_invariant)
     max_model_len = _max_model_len(config, model_config)
-    num_blocks = _num_kv_blocks(config, model_config, dtype, max_model_len)
+    kv_int8 = config.kv_cache_dtype == "int8"
+    num_blocks = _num_kv_blocks(config, model_config, dtype, kv_int8, max_model_len)
     runner = ModelRunner(model, device, dtype, num_blocks, config.block_size, seed=config.seed,
-                         kernels=kernels, batch_invariant=config.batch_invariant)
+                         kernels=kernels, batch_invariant=config.batch_invariant,
+                         kv_int8=kv_int8)
     core = EngineCore(config, runner, num_blocks, max_model_len, model_config.kv_window)
     logger.info("model %s on %s (%s, quantization %s, kernels %s): %d KV blocks of %d "
-                "tokens, max_model_len %d", model_name_for(config.model), device,
+                "tokens (%s), max_model_len %d", model_name_for(config.model), device,
                 str(dtype).removeprefix("torch."), config.quantization,
                 "torch" if kernels is None else "native", num_blocks,
-                config.block_size, max_model_len)
+                config.block_size, "int8" if kv_int8 else "the model's dtype", max_model_len)
     info = EngineInfo(model_name_for(config.model), max_model_len, model_config.vocab_size,
                       num_blocks * config.block_size)
     return Engine(core, info, device)
@@ -70,11 +73,13 @@ def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
 
 
 def _num_kv_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
-                   max_model_len: int) -> int:
-    """Blocks from --num-kv-blocks, else from --kv-cache-memory; at least one full sequence."""
-    bytes_per_block = (2 * config.block_size * model_config.num_key_value_heads
-                       * model_config.head_dim * model_config.num_hidden_layers
-                       * torch.finfo(dtype).bits // 8)
+                   kv_int8: bool, max_model_len: int) -> int:
+    """Blocks from --num-kv-blocks, else from --kv-cache-memory (a block's bytes as
+    ``kv_int8`` or ``dtype`` stores it); at least one full sequence."""
+    row_bytes = (row_width(model_config.head_dim, True) if kv_int8
+                 else model_config.head_dim * torch.finfo(dtype).bits // 8)
+    bytes_per_block = (2 * config.block_size * model_config.num_key_value_heads * row_bytes
+                       * model_config.num_hidden_layers)
     num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // bytes_per_block
     needed = -(-max_model_len // config.block_size)
     if num_blocks < needed:

@@ -40,18 +40,21 @@ from tokenmill.models.attention_metadata import AttentionMetadata
 class ModelRunner:
     """``kernels``: the engine's native kernels (the model's, which its sampler uses
     too), or None for PyTorch's ops; ``batch_invariant``: prompt positions too take the
-    decode attention where the model's prefill attention is not row-invariant."""
+    decode attention where the model's prefill attention is not row-invariant;
+    ``kv_int8``: the KV cache in 8-bit rows (``kv_int8``), else in ``dtype``."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
                  num_kv_blocks: int, block_size: int, seed: int = 0,
-                 kernels: NativeKernels | None = None, batch_invariant: bool = False) -> None:
+                 kernels: NativeKernels | None = None, batch_invariant: bool = False,
+                 kv_int8: bool = False) -> None:
         self.model = model
         self.prompts_by_prefill = (not batch_invariant or all(
             attention.prefill.row_invariant for attention in model.attentions))
         self.device = device
         self.block_size = block_size
-        shape = model.kv_cache_shape(num_kv_blocks, block_size)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
+        shape = model.kv_cache_shape(num_kv_blocks, block_size, kv_int8)
+        cache_dtype = torch.int8 if kv_int8 else dtype
+        self.kv_caches = [torch.zeros(shape, dtype=cache_dtype, device=device)
                           for _ in range(model.config.num_hidden_layers)]
         self.sampler = Sampler(kernels)
         self.vocab_size = model.config.vocab_size

@@ -5,14 +5,18 @@
 //   silu_and_mul(x)          silu(x[:, :I]) * x[:, I:]              x = [gate | up]
 //   rotary_store_kv(...)     rotate the q and k heads of qkv in place ("rotate half"
 //                            layout), then copy each token's k and v into its cache slot
+//                            (into an 8-bit cache: each head's row quantized, its scale
+//                            after its values)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "dtype_conversion.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -83,15 +87,33 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// The head_dim values x as an 8-bit cache row: x * (127 / max |x|) rounded to the nearest
+// integer (ties to even), then the scale max |x| * (1 / 127) as float32 (0 for a row of
+// zeros), as kv_int8.quantize_rows computes them.
 template <typename T>
+inline void store_int8_row(const T* x, int64_t head_dim, int8_t* row) {
+  float peak = 0.f;
+  for (int64_t d = 0; d < head_dim; ++d) peak = std::max(peak, std::fabs(to_float(x[d])));
+  const float inv = peak > 0.f ? 127.f / peak : 0.f;
+  for (int64_t d = 0; d < head_dim; ++d) {
+    row[d] = static_cast<int8_t>(std::nearbyint(to_float(x[d]) * inv));
+  }
+  const float scale = peak * (1.f / 127.f);
+  std::memcpy(row + head_dim, &scale, sizeof(scale));
+}
+
+// C: the cache's element type, T or int8_t (rows of head_dim + 4 bytes).
+template <typename T, typename C>
 void rotary_store_rows(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                        at::Tensor& key_cache, at::Tensor& value_cache,
                        const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+  constexpr bool kInt8 = std::is_same_v<C, int8_t>;
   const int64_t tokens = qkv.size(0), head_dim = cos.size(-1), half = head_dim / 2;
-  const int64_t kv_width = num_kv_heads * head_dim;
+  const int64_t kv_width = num_kv_heads * head_dim;  // a token's k (or v) in qkv
+  const int64_t row_width = head_dim + (kInt8 ? 4 : 0);  // a head's row in the cache
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  T* k_cache = key_cache.data_ptr<T>();
-  T* v_cache = value_cache.data_ptr<T>();
+  C* k_cache = key_cache.data_ptr<C>();
+  C* v_cache = value_cache.data_ptr<C>();
   at::parallel_for(0, tokens, grain_for(qkv.size(1)), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       T* row = qkv.data_ptr<T>() + t * qkv.stride(0);
@@ -109,8 +131,17 @@ void rotary_store_rows(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor&
         }
       }
       const T* k = row + num_heads * head_dim;
-      std::memcpy(k_cache + slots[t] * kv_width, k, kv_width * sizeof(T));
-      std::memcpy(v_cache + slots[t] * kv_width, k + kv_width, kv_width * sizeof(T));
+      C* k_slot = k_cache + slots[t] * num_kv_heads * row_width;
+      C* v_slot = v_cache + slots[t] * num_kv_heads * row_width;
+      if constexpr (kInt8) {
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          store_int8_row(k + h * head_dim, head_dim, k_slot + h * row_width);
+          store_int8_row(k + kv_width + h * head_dim, head_dim, v_slot + h * row_width);
+        }
+      } else {
+        std::memcpy(k_slot, k, kv_width * sizeof(T));
+        std::memcpy(v_slot, k + kv_width, kv_width * sizeof(T));
+      }
     }
   });
 }
@@ -120,7 +151,8 @@ void rotary_store_rows(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor&
 // position, rows contiguous (or [T, 1, D], as RotaryEmbedding.cos_sin gives them): the
 // rotation is x * cos + swap_halves(x) * sin.
 // key_cache/value_cache [num_blocks, block_size, KVH, D] contiguous: flat slot s is row s
-// of the [num_blocks * block_size, KVH * D] view.
+// of the [num_blocks * block_size, KVH * D] view; or int8 [num_blocks, block_size, KVH,
+// D + 4], an 8-bit cache (store_int8_row).
 void rotary_store_kv(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
                      at::Tensor key_cache, at::Tensor value_cache,
                      const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
@@ -133,17 +165,24 @@ void rotary_store_kv(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& si
                     table->stride(-1) == 1,
                 "cos and sin must be [T, D] (or [T, 1, D]) with contiguous rows, in qkv's dtype");
   }
+  const bool int8_cache = key_cache.scalar_type() == at::kChar;
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() &&
-                  key_cache.scalar_type() == qkv.scalar_type() &&
-                  value_cache.scalar_type() == qkv.scalar_type() &&
-                  key_cache.size(-1) * key_cache.size(-2) == num_kv_heads * head_dim,
-              "caches must be contiguous, in qkv's dtype, KVH * D wide");
+                  (int8_cache || key_cache.scalar_type() == qkv.scalar_type()) &&
+                  value_cache.scalar_type() == key_cache.scalar_type() &&
+                  key_cache.size(-2) == num_kv_heads &&
+                  key_cache.size(-1) == head_dim + (int8_cache ? 4 : 0),
+              "caches must be contiguous, in qkv's dtype (KVH * D wide) or int8 (KVH * (D + 4))");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == tokens,
               "slot_mapping must be [T] int64");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_store_kv", [&] {
-    rotary_store_rows<scalar_t>(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads,
-                                num_kv_heads);
+    if (int8_cache) {
+      rotary_store_rows<scalar_t, int8_t>(qkv, cos, sin, key_cache, value_cache, slot_mapping,
+                                          num_heads, num_kv_heads);
+    } else {
+      rotary_store_rows<scalar_t, scalar_t>(qkv, cos, sin, key_cache, value_cache,
+                                            slot_mapping, num_heads, num_kv_heads);
+    }
   });
 }
 

@@ -63,13 +63,33 @@ constexpr int64_t kMaxHeadDim = 256;
 // split the work: a task is a sequence's KV heads [kv_begin, kv_begin + heads_per_task):
 // all of them when there are enough sequences to keep every thread busy, else one, so that
 // a few long sequences still spread over the threads.
-template <typename T>
+// The cache's element type C: T itself, or int8_t for an 8-bit cache, whose (token, KV
+// head) rows hold head_dim values and then their float32 scale (row_width = head_dim + 4
+// bytes): the value stored is x / scale, rounded.
+template <typename C>
+constexpr bool kInt8Cache = std::is_same_v<C, int8_t>;
+
+// The scale of the cache row starting at row (head_dim values): 1 but in an 8-bit cache.
+template <typename C>
+inline float row_scale(const C* row, int64_t head_dim) {
+  if constexpr (kInt8Cache<C>) {
+    float scale;
+    std::memcpy(&scale, row + head_dim, sizeof(scale));
+    return scale;
+  } else {
+    return 1.f;
+  }
+}
+
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+
+template <typename T, typename C>
 struct DecodeOperands {
-  int64_t num_seqs, num_heads, num_kv_heads, group, head_dim;
+  int64_t num_seqs, num_heads, num_kv_heads, group, head_dim, row_width;
   int64_t block_size, block_stride, token_stride, table_stride, q_seq_stride, q_head_stride;
   const T* q;
-  const T* k;
-  const T* v;
+  const C* k;
+  const C* v;
   const int32_t* tables;
   const int32_t* lens;
   T* out;
@@ -81,11 +101,11 @@ struct DecodeOperands {
                  const at::Tensor& value_cache, const at::Tensor& block_tables,
                  const at::Tensor& seq_lens, double scale_, int64_t window_, at::Tensor& out_)
       : num_seqs(q_.size(0)), num_heads(q_.size(1)), num_kv_heads(key_cache.size(2)),
-        group(num_heads / num_kv_heads), head_dim(q_.size(2)),
+        group(num_heads / num_kv_heads), head_dim(q_.size(2)), row_width(key_cache.size(3)),
         block_size(key_cache.size(1)), block_stride(key_cache.stride(0)),
         token_stride(key_cache.stride(1)), table_stride(block_tables.stride(0)),
         q_seq_stride(q_.stride(0)), q_head_stride(q_.stride(1)), q(q_.data_ptr<T>()),
-        k(key_cache.data_ptr<T>()), v(value_cache.data_ptr<T>()),
+        k(key_cache.data_ptr<C>()), v(value_cache.data_ptr<C>()),
         tables(block_tables.data_ptr<int32_t>()), lens(seq_lens.data_ptr<int32_t>()),
         out(out_.data_ptr<T>()), scale(static_cast<float>(scale_)), window(window_),
         heads_per_task(num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1),
@@ -105,7 +125,7 @@ struct DecodeOperands {
     const int32_t* table = tables + b * table_stride;
     const int64_t first = first_key(b);
     for (int64_t t = first, block = first / block_size; t < lens[b]; ++block) {
-      const int64_t base = table[block] * block_stride + kv_begin * head_dim;
+      const int64_t base = table[block] * block_stride + kv_begin * row_width;
       for (int64_t i = t % block_size; i < block_size && t < lens[b]; ++i, ++t) {
         offsets[t - first] = base + i * token_stride;
       }
@@ -115,8 +135,8 @@ struct DecodeOperands {
 
 // HEAD_DIM > 0: the head size known at compile time (its loops unroll and the per-head
 // accumulators stay in registers); 0: read from the tensors (any size up to kMaxHeadDim).
-template <typename T, int64_t HEAD_DIM>
-void decode_attention_kernel(const DecodeOperands<T>& op) {
+template <typename T, typename C, int64_t HEAD_DIM>
+void decode_attention_kernel(const DecodeOperands<T, C>& op) {
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : op.head_dim;
   constexpr int64_t kBuffer = HEAD_DIM > 0 ? HEAD_DIM : kMaxHeadDim;
   const int64_t group = op.group, heads_per_task = op.heads_per_task;
@@ -128,7 +148,7 @@ void decode_attention_kernel(const DecodeOperands<T>& op) {
       const int64_t b = task / op.tasks_per_seq;
       const int64_t kv_begin = (task % op.tasks_per_seq) * heads_per_task;
       const int64_t h_begin = kv_begin * group, h_end = (kv_begin + heads_per_task) * group;
-      const int64_t width = heads_per_task * head_dim;  // elements of a token's K or V row
+      const int64_t width = heads_per_task * op.row_width;  // a token's K or V row
       const int64_t len = op.visible_len(b);
       scores.resize(op.num_heads * len);
       offsets.resize(len);
@@ -137,7 +157,7 @@ void decode_attention_kernel(const DecodeOperands<T>& op) {
       // ahead), the others find them in cache.
       for (int64_t h = h_begin; h < h_end; ++h) {
         const bool first = (h - h_begin) % group == 0;
-        const int64_t head_offset = (h / group - kv_begin) * head_dim;
+        const int64_t head_offset = (h / group - kv_begin) * op.row_width;
         const T* q_head = op.q + b * op.q_seq_stride + h * op.q_head_stride;
         float qh[kBuffer];
         for (int64_t d = 0; d < head_dim; ++d) qh[d] = to_float(q_head[d]) * op.scale;
@@ -146,11 +166,11 @@ void decode_attention_kernel(const DecodeOperands<T>& op) {
           if (first && t + kPrefetchAhead < len) {
             prefetch_row(op.k + offsets[t + kPrefetchAhead], width);
           }
-          const T* key = op.k + offsets[t] + head_offset;
+          const C* key = op.k + offsets[t] + head_offset;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * to_float(key[d]);
-          s[t] = dot;
+          s[t] = dot * row_scale(key, head_dim);
         }
         const float peak = *std::max_element(s, s + len);
         float total = 0.f;
@@ -163,8 +183,8 @@ void decode_attention_kernel(const DecodeOperands<T>& op) {
           if (first && t + kPrefetchAhead < len) {
             prefetch_row(op.v + offsets[t + kPrefetchAhead], width);
           }
-          const T* value = op.v + offsets[t] + head_offset;
-          const float w = s[t];
+          const C* value = op.v + offsets[t] + head_offset;
+          const float w = s[t] * row_scale(value, head_dim);
 #pragma omp simd
           for (int64_t d = 0; d < head_dim; ++d) acc[d] += w * to_float(value[d]);
         }
@@ -185,6 +205,11 @@ inline __m256 load8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
+inline __m256 load8(const int8_t* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+}
+
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 
 // Rounded in registers: a scalar loop over the lanes here made GCC keep the value
@@ -203,6 +228,18 @@ inline __m256 fold8(const __m256 (&v)[8]) {
 }
 
 constexpr int64_t kKeys = 8;          // keys scored at once (one register of scores)
+
+// Lane j: the scale of key row keys[j] (1 but in an 8-bit cache).
+template <int64_t HEAD_DIM, typename C>
+inline __m256 key_scales(const C* const (&keys)[kKeys]) {
+  if constexpr (kInt8Cache<C>) {
+    alignas(32) float scales[kKeys];
+    for (int64_t j = 0; j < kKeys; ++j) scales[j] = row_scale(keys[j], HEAD_DIM);
+    return _mm256_load_ps(scales);
+  } else {
+    return _mm256_set1_ps(1.f);
+  }
+}
 constexpr int64_t kValueChunks = 4;   // registers of a value row added per pass
 constexpr int64_t kHeadsAtOnce = 3;   // query heads sharing each value (AVX-512: key) row read
 // Tokens ahead whose whole K or V rows (every KV head of the task) are requested while
@@ -218,8 +255,8 @@ struct TaskKeys {
   int64_t b, kv_begin, len, padded;
 };
 
-template <typename T>
-TaskKeys task_keys(const DecodeOperands<T>& op, int64_t task, std::vector<int64_t>& offsets) {
+template <typename T, typename C>
+TaskKeys task_keys(const DecodeOperands<T, C>& op, int64_t task, std::vector<int64_t>& offsets) {
   const int64_t b = task / op.tasks_per_seq;
   const int64_t kv_begin = (task % op.tasks_per_seq) * op.heads_per_task;
   const int64_t len = op.visible_len(b);
@@ -235,12 +272,13 @@ TaskKeys task_keys(const DecodeOperands<T>& op, int64_t task, std::vector<int64_
 // arithmetic rather than only while its first KV head waits for its own rows.
 // ``reset`` aims the requests at a task (len 0: none) and spreads them over ``calls``
 // calls of ``request``.
-template <typename T>
+template <typename C>
 class NextTaskRows {
  public:
-  NextTaskRows(const DecodeOperands<T>& op, int64_t width)
+  template <typename T>
+  NextTaskRows(const DecodeOperands<T, C>& op, int64_t width)
       : k_(reinterpret_cast<const char*>(op.k)), v_(reinterpret_cast<const char*>(op.v)),
-        lines_per_row_((width * static_cast<int64_t>(sizeof(T)) + 63) / 64) {}
+        lines_per_row_((width * static_cast<int64_t>(sizeof(C)) + 63) / 64) {}
 
   void reset(const int64_t* offsets, int64_t len, int64_t calls) {
     offsets_ = offsets;
@@ -252,7 +290,7 @@ class NextTaskRows {
 
   inline void request() {
     for (int64_t i = 0; i < per_call_ && token_ < len_; ++i) {
-      _mm_prefetch(cache_ + offsets_[token_] * static_cast<int64_t>(sizeof(T)) + 64 * line_,
+      _mm_prefetch(cache_ + offsets_[token_] * static_cast<int64_t>(sizeof(C)) + 64 * line_,
                    _MM_HINT_T1);
       if (++line_ < lines_per_row_) continue;
       line_ = 0;
@@ -278,11 +316,11 @@ class NextTaskRows {
 // whether a task before it in the range requested its rows. The body calls
 // ahead.request() calls_per_tile times per key tile and value_passes times per value row,
 // for each of its KV heads: the next task's rows are requested over the whole task.
-template <typename T, typename Body>
-void tasks_in_order(const DecodeOperands<T>& op, int64_t begin, int64_t end, int64_t following,
+template <typename T, typename C, typename Body>
+void tasks_in_order(const DecodeOperands<T, C>& op, int64_t begin, int64_t end, int64_t following,
                     int64_t width, int64_t calls_per_tile, int64_t value_passes, Body body) {
   std::vector<int64_t> offsets, next_offsets;
-  NextTaskRows<T> ahead(op, width);
+  NextTaskRows<C> ahead(op, width);
   TaskKeys task = task_keys(op, begin, offsets);
   for (int64_t index = begin; index < end; ++index) {
     const bool requested = index > begin;
@@ -299,8 +337,8 @@ void tasks_in_order(const DecodeOperands<T>& op, int64_t begin, int64_t end, int
 }
 
 // queries[g * head_dim + d] = the scaled float32 query of head h0 + g of sequence b.
-template <typename T>
-void scaled_queries(const DecodeOperands<T>& op, int64_t b, int64_t h0, int64_t head_dim,
+template <typename T, typename C>
+void scaled_queries(const DecodeOperands<T, C>& op, int64_t b, int64_t h0, int64_t head_dim,
                     float* queries) {
   for (int64_t g = 0; g < op.group; ++g) {
     const T* q_head = op.q + b * op.q_seq_stride + (h0 + g) * op.q_head_stride;
@@ -311,8 +349,8 @@ void scaled_queries(const DecodeOperands<T>& op, int64_t b, int64_t h0, int64_t 
 }
 
 // queries[g * head_dim + d] = the bfloat16 bits of query head h0 + g of sequence b, unscaled.
-template <typename T>
-void raw_queries(const DecodeOperands<T>& op, int64_t b, int64_t h0, int64_t head_dim,
+template <typename T, typename C>
+void raw_queries(const DecodeOperands<T, C>& op, int64_t b, int64_t h0, int64_t head_dim,
                  uint16_t* queries) {
   for (int64_t g = 0; g < op.group; ++g) {
     std::memcpy(queries + g * head_dim, op.q + b * op.q_seq_stride + (h0 + g) * op.q_head_stride,
@@ -339,13 +377,14 @@ inline void exp_rows(float* scores, int64_t rows, int64_t stride, int64_t len,
 
 // For NH query heads g: out[g * out_stride + d] = sum_t scores[g * score_stride + t] *
 // V[t, d] * inv_totals[g], over the 32 dimensions d of one pass, V row t at
-// values + offsets[t]; with prefetch, rows of width elements are requested ahead.
+// values + offsets[t] (in an 8-bit cache, times its scale, scale_offset elements further);
+// with prefetch, rows of width elements are requested ahead.
 struct AddValues8 {
-template <typename T, int NH>
-static void run(const T* values, const int64_t* offsets, int64_t len,
+template <typename T, typename C, int NH>
+static void run(const C* values, const int64_t* offsets, int64_t scale_offset, int64_t len,
                 const float* scores, int64_t score_stride, const float* inv_totals,
                 T* out, int64_t out_stride, bool prefetch, int64_t width,
-                NextTaskRows<T>& ahead) {
+                NextTaskRows<C>& ahead) {
   __m256 acc[NH][kValueChunks];
   for (int g = 0; g < NH; ++g) {
     for (int c = 0; c < kValueChunks; ++c) acc[g][c] = _mm256_setzero_ps();
@@ -358,9 +397,10 @@ static void run(const T* values, const int64_t* offsets, int64_t len,
   for (int64_t t = 0; t < len; ++t) {
     if (prefetch && t + kRowsAhead < len) prefetch_row(values + offsets[t + kRowsAhead], width);
     ahead.request();
-    const T* row = values + offsets[t];
+    const C* row = values + offsets[t];
+    const float row_weight = row_scale(row, scale_offset);
     __m256 w[NH];
-    for (int g = 0; g < NH; ++g) w[g] = _mm256_broadcast_ss(scores + g * score_stride + t);
+    for (int g = 0; g < NH; ++g) w[g] = _mm256_set1_ps(scores[g * score_stride + t] * row_weight);
     for (int c = 0; c < kValueChunks; ++c) {
       const __m256 v = load8(row + 8 * c);
       for (int g = 0; g < NH; ++g) acc[g][c] = _mm256_fmadd_ps(w[g], v, acc[g][c]);
@@ -379,12 +419,12 @@ static void run(const T* values, const int64_t* offsets, int64_t len,
 // (Adder::run<T, heads>), so that a value row read once serves them all; with first (the
 // task's first KV head, its rows not requested by an earlier task) the first pass requests
 // the rows of all its KV heads ahead.
-template <typename Adder, int64_t DIMS, int64_t HEAD_DIM, typename T>
-void add_value_passes(const DecodeOperands<T>& op, const TaskKeys& task, int64_t kv,
+template <typename Adder, int64_t DIMS, int64_t HEAD_DIM, typename T, typename C>
+void add_value_passes(const DecodeOperands<T, C>& op, const TaskKeys& task, int64_t kv,
                       const float* scores, const float* inv_totals, const int64_t* offsets,
-                      bool first, NextTaskRows<T>& ahead) {
-  const int64_t group = op.group, h0 = kv * group, width = op.heads_per_task * HEAD_DIM;
-  const T* values = op.v + (kv - task.kv_begin) * HEAD_DIM;
+                      bool first, NextTaskRows<C>& ahead) {
+  const int64_t group = op.group, h0 = kv * group, width = op.heads_per_task * op.row_width;
+  const C* values = op.v + (kv - task.kv_begin) * op.row_width;
   for (int64_t dim0 = 0; dim0 < HEAD_DIM; dim0 += DIMS) {
     for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
       const int64_t heads = std::min(kHeadsAtOnce, group - g0);
@@ -392,13 +432,16 @@ void add_value_passes(const DecodeOperands<T>& op, const TaskKeys& task, int64_t
       const float* s = scores + g0 * task.padded;
       T* o = op.out + (task.b * op.num_heads + h0 + g0) * HEAD_DIM + dim0;
       if (heads == 3) {
-        Adder::template run<T, 3>(values + dim0, offsets, task.len, s, task.padded,
+        Adder::template run<T, C, 3>(values + dim0, offsets, HEAD_DIM - dim0, task.len, s,
+                                     task.padded,
                                   inv_totals + g0, o, HEAD_DIM, prefetch, width, ahead);
       } else if (heads == 2) {
-        Adder::template run<T, 2>(values + dim0, offsets, task.len, s, task.padded,
+        Adder::template run<T, C, 2>(values + dim0, offsets, HEAD_DIM - dim0, task.len, s,
+                                     task.padded,
                                   inv_totals + g0, o, HEAD_DIM, prefetch, width, ahead);
       } else {
-        Adder::template run<T, 1>(values + dim0, offsets, task.len, s, task.padded,
+        Adder::template run<T, C, 1>(values + dim0, offsets, HEAD_DIM - dim0, task.len, s,
+                                     task.padded,
                                   inv_totals + g0, o, HEAD_DIM, prefetch, width, ahead);
       }
     }
@@ -406,20 +449,20 @@ void add_value_passes(const DecodeOperands<T>& op, const TaskKeys& task, int64_t
 }
 
 // The task's first KV head requests its first kRowsAhead key rows (of all its KV heads).
-template <typename T>
-void prefetch_first_keys(const DecodeOperands<T>& op, const TaskKeys& task,
+template <typename T, typename C>
+void prefetch_first_keys(const DecodeOperands<T, C>& op, const TaskKeys& task,
                          const int64_t* offsets, int64_t width) {
   for (int64_t t = 0; t < std::min(kRowsAhead, task.len); ++t) {
     prefetch_row(op.k + offsets[t], width);
   }
 }
 
-template <typename T, int64_t HEAD_DIM>
-void decode_attention_avx2(const DecodeOperands<T>& op) {
+template <typename T, typename C, int64_t HEAD_DIM>
+void decode_attention_avx2(const DecodeOperands<T, C>& op) {
   static_assert(HEAD_DIM % (8 * kValueChunks) == 0, "head size a multiple of 32");
   constexpr int64_t kChunks = HEAD_DIM / 8;
   const int64_t group = op.group, heads_per_task = op.heads_per_task;
-  const int64_t width = heads_per_task * HEAD_DIM;  // elements of a token's K or V row
+  const int64_t width = heads_per_task * op.row_width;  // elements of a token's K or V row
 
   const int64_t head_groups = (group + kHeadsAtOnce - 1) / kHeadsAtOnce;
   tokenmill::parallel_batches(op.num_seqs * op.tasks_per_seq, [&](int64_t begin, int64_t end,
@@ -427,12 +470,12 @@ void decode_attention_avx2(const DecodeOperands<T>& op) {
     std::vector<float> scores, queries(group * HEAD_DIM), inv_totals(group);
     tasks_in_order(op, begin, end, following, width, 1,
                    HEAD_DIM / (8 * kValueChunks) * head_groups,
-                   [&](const TaskKeys& task, const int64_t* offsets, NextTaskRows<T>& ahead,
+                   [&](const TaskKeys& task, const int64_t* offsets, NextTaskRows<C>& ahead,
                        bool requested) {
       const int64_t len = task.len, padded = task.padded;
       scores.resize(group * padded);
       for (int64_t kv = task.kv_begin; kv < task.kv_begin + heads_per_task; ++kv) {
-        const int64_t head_offset = (kv - task.kv_begin) * HEAD_DIM;
+        const int64_t head_offset = (kv - task.kv_begin) * op.row_width;
         const bool first = !requested && kv == task.kv_begin;
         scaled_queries(op, task.b, kv * group, HEAD_DIM, queries.data());
         // Scores, 8 keys at a time for every query head of the group: the keys' rows come
@@ -441,7 +484,7 @@ void decode_attention_avx2(const DecodeOperands<T>& op) {
         if (first) prefetch_first_keys(op, task, offsets, width);
         for (int64_t t0 = 0; t0 < padded; t0 += kKeys) {
           ahead.request();
-          const T* keys[kKeys];
+          const C* keys[kKeys];
           for (int64_t j = 0; j < kKeys; ++j) keys[j] = op.k + offsets[t0 + j] + head_offset;
           if (first) {
             for (int64_t j = t0 + kRowsAhead; j < std::min(t0 + kRowsAhead + kKeys, len); ++j) {
@@ -458,7 +501,8 @@ void decode_attention_avx2(const DecodeOperands<T>& op) {
                 acc[j] = _mm256_fmadd_ps(qv, load8(keys[j] + 8 * c), acc[j]);
               }
             }
-            _mm256_storeu_ps(scores.data() + g * padded + t0, fold8(acc));
+            _mm256_storeu_ps(scores.data() + g * padded + t0,
+                             _mm256_mul_ps(fold8(acc), key_scales<HEAD_DIM>(keys)));
           }
         }
         exp_rows(scores.data(), group, padded, len, inv_totals.data());
@@ -478,6 +522,11 @@ inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+inline __m512 load16(const int8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+}
+
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 
 // (In registers, as store8.)
@@ -495,8 +544,8 @@ constexpr int64_t kDimsPerPass = 64;  // value dimensions added per pass (4 regi
 // scores[g * score_stride + j] = q_g . K[keys[j]] for the NH query heads g at queries +
 // g * HEAD_DIM (scaled) and the kKeys keys keys[j]: each key's row is read and converted
 // once for all NH heads (NH x kKeys accumulators stay in registers).
-template <typename T, int64_t HEAD_DIM, int NH>
-inline void score_keys(const T* const (&keys)[kKeys], const float* queries, float* scores,
+template <typename C, int64_t HEAD_DIM, int NH>
+inline void score_keys(const C* const (&keys)[kKeys], const float* queries, float* scores,
                        int64_t score_stride) {
   __m512 acc[NH][kKeys];
   for (int g = 0; g < NH; ++g) {
@@ -511,10 +560,11 @@ inline void score_keys(const T* const (&keys)[kKeys], const float* queries, floa
       }
     }
   }
+  const __m256 scales = key_scales<HEAD_DIM>(keys);
   for (int g = 0; g < NH; ++g) {
     __m256 halves[kKeys];
     for (int64_t j = 0; j < kKeys; ++j) halves[j] = add_halves(acc[g][j]);
-    _mm256_storeu_ps(scores + g * score_stride, fold8(halves));
+    _mm256_storeu_ps(scores + g * score_stride, _mm256_mul_ps(fold8(halves), scales));
   }
 }
 
@@ -556,11 +606,11 @@ constexpr bool kScorePairs = false;
 
 // AddValues8 with 16-lane registers: kDimsPerPass dimensions of NH query heads per pass.
 struct AddValues16 {
-template <typename T, int NH>
-static void run(const T* values, const int64_t* offsets, int64_t len,
+template <typename T, typename C, int NH>
+static void run(const C* values, const int64_t* offsets, int64_t scale_offset, int64_t len,
                 const float* scores, int64_t score_stride, const float* inv_totals,
                 T* out, int64_t out_stride, bool prefetch, int64_t width,
-                NextTaskRows<T>& ahead) {
+                NextTaskRows<C>& ahead) {
   constexpr int kChunks = kDimsPerPass / 16;
   __m512 acc[NH][kChunks];
   for (int g = 0; g < NH; ++g) {
@@ -574,9 +624,10 @@ static void run(const T* values, const int64_t* offsets, int64_t len,
   for (int64_t t = 0; t < len; ++t) {
     if (prefetch && t + kRowsAhead < len) prefetch_row(values + offsets[t + kRowsAhead], width);
     ahead.request();
-    const T* row = values + offsets[t];
+    const C* row = values + offsets[t];
+    const float row_weight = row_scale(row, scale_offset);
     __m512 w[NH];
-    for (int g = 0; g < NH; ++g) w[g] = _mm512_set1_ps(scores[g * score_stride + t]);
+    for (int g = 0; g < NH; ++g) w[g] = _mm512_set1_ps(scores[g * score_stride + t] * row_weight);
     for (int c = 0; c < kChunks; ++c) {
       const __m512 v = load16(row + 16 * c);
       for (int g = 0; g < NH; ++g) acc[g][c] = _mm512_fmadd_ps(w[g], v, acc[g][c]);
@@ -593,27 +644,27 @@ static void run(const T* values, const int64_t* offsets, int64_t len,
 
 // decode_attention_avx2's plan with AVX-512 registers: a KV head's key rows are read once
 // per kHeadsAtOnce query heads (not once per query head), 16 lanes per instruction.
-template <typename T, int64_t HEAD_DIM>
-void decode_attention_avx512(const DecodeOperands<T>& op) {
+template <typename T, typename C, int64_t HEAD_DIM>
+void decode_attention_avx512(const DecodeOperands<T, C>& op) {
   static_assert(HEAD_DIM % kDimsPerPass == 0, "head size a multiple of 64");
   const int64_t group = op.group, heads_per_task = op.heads_per_task;
-  const int64_t width = heads_per_task * HEAD_DIM;  // elements of a token's K or V row
+  const int64_t width = heads_per_task * op.row_width;  // elements of a token's K or V row
 
   const int64_t head_groups = (group + kHeadsAtOnce - 1) / kHeadsAtOnce;
   tokenmill::parallel_batches(op.num_seqs * op.tasks_per_seq, [&](int64_t begin, int64_t end,
                                                                   int64_t following) {
-    constexpr bool kPairs = kScorePairs && std::is_same_v<T, at::BFloat16>;
+    constexpr bool kPairs = kScorePairs && std::is_same_v<C, at::BFloat16>;
     // the group's queries: scaled float32 (FMA scores) or their bfloat16 bits (pairs)
     std::vector<float> scores, queries(kPairs ? 0 : group * HEAD_DIM), inv_totals(group);
     std::vector<uint16_t> raw(kPairs ? group * HEAD_DIM : 0);
     tasks_in_order(op, begin, end, following, width, head_groups,
                    HEAD_DIM / kDimsPerPass * head_groups,
-                   [&](const TaskKeys& task, const int64_t* offsets, NextTaskRows<T>& ahead,
+                   [&](const TaskKeys& task, const int64_t* offsets, NextTaskRows<C>& ahead,
                        bool requested) {
       const int64_t len = task.len, padded = task.padded;
       scores.resize(group * padded);
       for (int64_t kv = task.kv_begin; kv < task.kv_begin + heads_per_task; ++kv) {
-        const int64_t head_offset = (kv - task.kv_begin) * HEAD_DIM;
+        const int64_t head_offset = (kv - task.kv_begin) * op.row_width;
         if constexpr (kPairs) {
           raw_queries(op, task.b, kv * group, HEAD_DIM, raw.data());
         } else {
@@ -626,7 +677,7 @@ void decode_attention_avx512(const DecodeOperands<T>& op) {
           const bool prefetch = first && g0 == 0;
           for (int64_t t0 = 0; t0 < padded; t0 += kKeys) {
             ahead.request();
-            const T* keys[kKeys];
+            const C* keys[kKeys];
             for (int64_t j = 0; j < kKeys; ++j) keys[j] = op.k + offsets[t0 + j] + head_offset;
             if (prefetch) {
               for (int64_t j = t0 + kRowsAhead; j < std::min(t0 + kRowsAhead + kKeys, len); ++j) {
@@ -644,11 +695,11 @@ void decode_attention_avx512(const DecodeOperands<T>& op) {
                 score_key_pairs<HEAD_DIM, 1>(keys, rq, op.scale, s, padded);
               }
             } else if (const float* q = queries.data() + g0 * HEAD_DIM; heads == 3) {
-              score_keys<T, HEAD_DIM, 3>(keys, q, s, padded);
+              score_keys<C, HEAD_DIM, 3>(keys, q, s, padded);
             } else if (heads == 2) {
-              score_keys<T, HEAD_DIM, 2>(keys, q, s, padded);
+              score_keys<C, HEAD_DIM, 2>(keys, q, s, padded);
             } else {
-              score_keys<T, HEAD_DIM, 1>(keys, q, s, padded);
+              score_keys<C, HEAD_DIM, 1>(keys, q, s, padded);
             }
           }
         }
@@ -664,8 +715,34 @@ void decode_attention_avx512(const DecodeOperands<T>& op) {
 
 #endif  // AVX2 and FMA
 
+// The kernel for the cache element type C (T, or int8_t for an 8-bit cache).
+template <typename T, typename C>
+void decode_attention(const DecodeOperands<T, C>& op) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (op.head_dim == 64) return decode_attention_avx512<T, C, 64>(op);
+    if (op.head_dim == 128) return decode_attention_avx512<T, C, 128>(op);
+    if (op.head_dim == 256) return decode_attention_avx512<T, C, 256>(op);
+#endif
+    if (op.head_dim == 64) return decode_attention_avx2<T, C, 64>(op);
+    if (op.head_dim == 128) return decode_attention_avx2<T, C, 128>(op);
+    if (op.head_dim == 256) return decode_attention_avx2<T, C, 256>(op);  // Gemma 3
+  }
+#endif
+  switch (op.head_dim) {
+    case 64:
+      return decode_attention_kernel<T, C, 64>(op);
+    case 128:
+      return decode_attention_kernel<T, C, 128>(op);
+    default:
+      return decode_attention_kernel<T, C, 0>(op);
+  }
+}
+
 // q [B, H, D] (rows of D contiguous); key_cache/value_cache [num_blocks, block_size,
-// kv_heads, D] (contiguous);
+// kv_heads, D] (contiguous) in q's dtype, or int8 [num_blocks, block_size, kv_heads, D + 4]
+// (an 8-bit cache: each row's D values, then their float32 scale);
 // block_tables [B, max_blocks] int32; seq_lens [B] int32 (each >= 1) -> [B, H, D].
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -674,40 +751,28 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cac
   TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
   TORCH_CHECK(q.stride(2) == 1 && key_cache.is_contiguous() && value_cache.is_contiguous(),
               "q's last dimension and the caches must be contiguous");
-  TORCH_CHECK(key_cache.scalar_type() == q.scalar_type() &&
-                  value_cache.scalar_type() == q.scalar_type(),
-              "q and the caches must share a dtype");
+  const bool int8_cache = key_cache.scalar_type() == at::kChar;
+  TORCH_CHECK((int8_cache || key_cache.scalar_type() == q.scalar_type()) &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "the caches must share q's dtype, or both be int8");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables and seq_lens must be int32");
   TORCH_CHECK(block_tables.stride(1) == 1 && seq_lens.is_contiguous(),
               "block_tables rows and seq_lens must be contiguous");
-  TORCH_CHECK(q.size(1) % key_cache.size(2) == 0 && q.size(2) == key_cache.size(3),
-              "heads must be a multiple of kv_heads, head dims equal");
+  TORCH_CHECK(q.size(1) % key_cache.size(2) == 0 &&
+                  key_cache.size(3) == q.size(2) + (int8_cache ? 4 : 0),
+              "heads must be a multiple of kv_heads, the cache rows D wide (D + 4 if int8)");
   at::Tensor out = at::empty(q.sizes(), q.options());
   TORCH_CHECK(q.size(2) <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(),
                                   "paged_decode_attention", [&] {
-    const DecodeOperands<scalar_t> op(q, key_cache, value_cache, block_tables, seq_lens,
-                                      scale, window, out);
-#if defined(__AVX2__) && defined(__FMA__)
-    if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-      if (op.head_dim == 64) return decode_attention_avx512<scalar_t, 64>(op);
-      if (op.head_dim == 128) return decode_attention_avx512<scalar_t, 128>(op);
-      if (op.head_dim == 256) return decode_attention_avx512<scalar_t, 256>(op);
-#endif
-      if (op.head_dim == 64) return decode_attention_avx2<scalar_t, 64>(op);
-      if (op.head_dim == 128) return decode_attention_avx2<scalar_t, 128>(op);
-      if (op.head_dim == 256) return decode_attention_avx2<scalar_t, 256>(op);  // Gemma 3
-    }
-#endif
-    switch (op.head_dim) {
-      case 64:
-        return decode_attention_kernel<scalar_t, 64>(op);
-      case 128:
-        return decode_attention_kernel<scalar_t, 128>(op);
-      default:
-        return decode_attention_kernel<scalar_t, 0>(op);
+    if (int8_cache) {
+      decode_attention(DecodeOperands<scalar_t, int8_t>(q, key_cache, value_cache, block_tables,
+                                                        seq_lens, scale, window, out));
+    } else {
+      decode_attention(DecodeOperands<scalar_t, scalar_t>(q, key_cache, value_cache,
+                                                          block_tables, seq_lens, scale,
+                                                          window, out));
     }
   });
   return out;

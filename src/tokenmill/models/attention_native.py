@@ -11,6 +11,7 @@ from tokenmill.kernels import NativeKernels
 from tokenmill.models.attention import AttentionBackend, AttentionPlan, PrefillAttention
 from tokenmill.models.attention_metadata import AttentionMetadata
 from tokenmill.models.attention_sdpa import SdpaPrefill
+from tokenmill.models.kv_int8 import dequantize_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +25,10 @@ class NativePrefillPlan:
     block_tables: torch.Tensor  # [Bp, nb] int32
     query_ranges: torch.Tensor  # [Bp, 2] int32, flat [start, end)
     seq_lens: torch.Tensor  # [Bp] int32
+    # for an 8-bit cache: the blocks the tables name, ascending, and the tables renumbered
+    # into them (block_tables[i, j] == blocks[renumbered[i, j]])
+    blocks: torch.Tensor  # [n] int64
+    renumbered: torch.Tensor  # [Bp, nb] int32
 
 
 class NativeDecode:
@@ -49,7 +54,9 @@ class NativeDecode:
 
 
 class NativePrefill:
-    """Every prefill sequence in one ``paged_prefill_attention`` call."""
+    """Every prefill sequence in one ``paged_prefill_attention`` call; from an 8-bit cache,
+    over a copy of the sequences' blocks dequantized to the model's dtype (the kernel reads
+    bfloat16 rows)."""
 
     reads_new_kv = False  # the kernel reads them from the cache
     row_invariant = True  # each query's keys in tiles from key 0, its values in key order
@@ -63,8 +70,11 @@ class NativePrefill:
         index = torch.tensor(rows, dtype=torch.long, device=device)
         spans = [md.prefill_span(i) for i in rows]
         nb = -(-max(seq_len for _, _, seq_len in spans) // md.block_size)
+        tables = md.block_tables[index, :nb]
+        blocks, renumbered = torch.unique(tables, return_inverse=True)
         return NativePrefillPlan(
-            block_tables=md.block_tables[index, :nb].to(torch.int32),
+            block_tables=tables.to(torch.int32), blocks=blocks,
+            renumbered=renumbered.to(torch.int32),
             query_ranges=torch.tensor([(start, end) for start, end, _ in spans],
                                       dtype=torch.int32, device=device),
             seq_lens=torch.tensor([seq_len for _, _, seq_len in spans], dtype=torch.int32,
@@ -74,7 +84,10 @@ class NativePrefill:
     def __call__(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                  kv_cache: torch.Tensor, plan: NativePrefillPlan, scale: float,
                  out: torch.Tensor) -> None:
-        self._attention(q, kv_cache[0], kv_cache[1], plan.block_tables, plan.query_ranges,
+        tables = plan.block_tables
+        if kv_cache.dtype == torch.int8:
+            kv_cache, tables = dequantize_rows(kv_cache[:, plan.blocks], q.dtype), plan.renumbered
+        self._attention(q, kv_cache[0], kv_cache[1], tables, plan.query_ranges,
                         plan.seq_lens, scale, out)
 
 

@@ -1,4 +1,8 @@
-"""Paged attention by PyTorch's ops: SDPA over gathered blocks (see ``attention``)."""
+"""Paged attention by PyTorch's ops: SDPA over gathered blocks (see ``attention``).
+
+An 8-bit cache (``kv_int8``) is read as the native kernels read it: its gathered rows
+are dequantized, and a prompt with no earlier context attends over its new keys and
+values as the cache holds them (quantized and back), not as computed."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import torch.nn.functional as F
 
 from tokenmill.models.attention import AttentionBackend, AttentionPlan
 from tokenmill.models.attention_metadata import AttentionMetadata
+from tokenmill.models.kv_int8 import dequantize_rows, quantize_rows
 from tokenmill.models.layers import apply_rotary
 
 
@@ -64,7 +69,8 @@ class SdpaDecode:
         num_kv_heads = kv_cache.shape[3]
         # [2, Bd * nb, bs * kvh * D] -> [2, Bd, nb * bs, kvh, D] -> k, v as [Bd, kvh, L, D]
         kv = _gather_blocks(kv_cache, plan.block_ids)
-        kv = kv.view(2, num_seqs, -1, num_kv_heads, head_dim)[:, :, : plan.max_len]
+        kv = _cache_values(kv.view(2, num_seqs, -1, *kv_cache.shape[3:])[:, :, : plan.max_len],
+                           q.dtype)
         k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
         q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scale)
@@ -154,10 +160,9 @@ class SdpaAttention(AttentionBackend[SdpaDecodePlan, list[PrefillSeq]]):
         qk = apply_rotary(qkv[:, : self.qk_size].view(num_tokens, -1, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        kv_cache[0].view(-1, self.num_kv_heads, self.head_dim).index_copy_(
-            0, plan.slot_mapping, k)
-        kv_cache[1].view(-1, self.num_kv_heads, self.head_dim).index_copy_(
-            0, plan.slot_mapping, v)
+        for cache, new in ((kv_cache[0], k), (kv_cache[1], v)):
+            rows = quantize_rows(new) if cache.dtype == torch.int8 else new
+            cache.view(-1, *rows.shape[1:]).index_copy_(0, plan.slot_mapping, rows)
         if plan.prefill is None:  # every token is a decode
             return self.decode(q, kv_cache, plan.decode, self.scale)
         return self._attend_with_prefills(q, k, v, kv_cache, plan)
@@ -176,6 +181,12 @@ def _gather_blocks(kv_cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     ``index_select`` along the cache's second dimension)."""
     return F.embedding(rows, kv_cache.view(2 * kv_cache.shape[1], -1)).view(2, len(rows) // 2,
                                                                              -1)
+
+
+def _cache_values(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows as keys or values in ``dtype``: the rows themselves, or an 8-bit
+    cache's dequantized."""
+    return dequantize_rows(rows, dtype) if rows.dtype == torch.int8 else rows
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -197,12 +208,14 @@ def _prefill_attention(
     NOTE: the tensors are 4-D ``[1, heads, len, D]``: with 3-D ones SDPA on CPU falls back
     to its unfused path, ten times slower."""
     q_len = q.shape[0]
-    if seq.blocks is None:
+    if seq.blocks is None and kv_cache.dtype == torch.int8:
+        keys, values = (dequantize_rows(quantize_rows(x), q.dtype) for x in (k, v))
+    elif seq.blocks is None:
         keys, values = k, v
     else:
         # [2, nb, bs * kvh * D] -> [2, seq_len, kvh, D]
         kv = _gather_blocks(kv_cache, seq.blocks)
-        kv = kv.view(2, -1, *kv_cache.shape[3:])[:, : seq.num_keys]
+        kv = _cache_values(kv.view(2, -1, *kv_cache.shape[3:])[:, : seq.num_keys], q.dtype)
         keys, values = kv[0], kv[1]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],

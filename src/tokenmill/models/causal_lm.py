@@ -90,9 +90,11 @@ class PagedCausalLM(nn.Module):
         self.model = self.model_class(config, dtype, device, self.layer_attentions,
                                       layer_ops(kernels), weight_format)
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of one layer's cache tensor: ``[2, num_blocks, block_size, kv_heads, D]``."""
-        return self.config.kv_cache_shape(num_blocks, block_size)
+    def kv_cache_shape(self, num_blocks: int, block_size: int,
+                       int8: bool = False) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor: ``[2, num_blocks, block_size, kv_heads, D]``
+        (``D + 4`` bytes a row where ``int8``: see ``kv_int8``)."""
+        return self.config.kv_cache_shape(num_blocks, block_size, int8)
 
     def forward(
         self,

@@ -29,6 +29,7 @@ from typing import Any
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.models.families import FAMILIES, GGUF_FAMILIES, ModelFamily
+from tokenmill.models.kv_int8 import row_width
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -211,9 +212,12 @@ class ModelConfig:
                                   num_heads),
         )
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """One layer's paged KV cache: ``[2 (k, v), num_blocks, block_size, kv_heads, D]``."""
-        return (2, num_blocks, block_size, self.num_key_value_heads, self.head_dim)
+    def kv_cache_shape(self, num_blocks: int, block_size: int,
+                       int8: bool = False) -> tuple[int, ...]:
+        """One layer's paged KV cache: ``[2 (k, v), num_blocks, block_size, kv_heads, D]``,
+        or ``D + 4`` bytes a row where ``int8`` (see ``kv_int8``)."""
+        return (2, num_blocks, block_size, self.num_key_value_heads,
+                row_width(self.head_dim, int8))
 
 
 def _family_of(architecture: str) -> ModelFamily:

@@ -1,7 +1,8 @@
 """How well a model predicts a text: per-token log-probabilities and perplexity.
 
-Used to measure what a weight format costs in accuracy (``--quantization``): the same
-text through two loadings of one model. One prefill over a private paged KV cache, the
+Used to measure what a weight format (``--quantization``) or an 8-bit KV cache
+(``--kv-cache-dtype int8``) costs in accuracy: the same text through two loadings of one
+model, or through one with either cache. One prefill over a private paged KV cache, the
 same forward pass the engine runs, so what is measured is what is served.
 """
 
@@ -17,17 +18,20 @@ BLOCK_SIZE = 16
 
 
 @torch.inference_mode()
-def next_token_logprobs(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+def next_token_logprobs(model: torch.nn.Module, token_ids: list[int],
+                        kv_int8: bool = False) -> torch.Tensor:
     """``[n - 1, V]`` float32: the log-probabilities of every next token after each of
-    ``token_ids[:-1]``, given the tokens before it."""
+    ``token_ids[:-1]``, given the tokens before it (read from an 8-bit KV cache where
+    ``kv_int8``)."""
     if len(token_ids) < 2:
         raise ValueError("perplexity needs at least two tokens")
     device = model.model.embed_tokens.weight.device
     dtype = model.model.embed_tokens.weight.dtype
     n = len(token_ids)
     num_blocks = -(-n // BLOCK_SIZE)
-    kv_caches = [torch.zeros(model.kv_cache_shape(num_blocks, BLOCK_SIZE), dtype=dtype,
-                             device=device) for _ in range(model.config.num_hidden_layers)]
+    shape = model.kv_cache_shape(num_blocks, BLOCK_SIZE, kv_int8)
+    kv_caches = [torch.zeros(shape, dtype=torch.int8 if kv_int8 else dtype, device=device)
+                 for _ in range(model.config.num_hidden_layers)]
     metadata = AttentionMetadata(
         slot_mapping=torch.arange(n, device=device), query_start_loc=[0, n], query_lens=[n],
         seq_lens=[n], block_tables=torch.arange(num_blocks, device=device)[None],
