@@ -28,11 +28,11 @@ SOURCES = tuple(Path(__file__).with_name(name)
                              "fused_layers.cpp", "bf16_linear.cpp", "f32_linear.cpp",
                              "w4a8_linear.cpp", "vnni_linear.cpp", "decode_layers.cpp",
                              "argmax_rows.cpp", "sample_rows.cpp",
-                             "logprob_rows.cpp"))
+                             "logprob_rows.cpp", "kv_int8_blocks.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name)
                 for name in ("dtype_conversion.h", "avx2_lanes.h", "avx512_lanes.h",
                              "linear_epilogue.h", "amx_tiles.h", "w4a8_groups.h",
-                             "thread_batches.h"))
+                             "thread_batches.h", "kv_int8_rows.h"))
 # Fast math: vectorized exp and reassociated sums. (The bfloat16 rounding tests NaN on the
 # bits, so a NaN still comes out a NaN.)
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")

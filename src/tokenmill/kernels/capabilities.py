@@ -15,8 +15,10 @@ import torch
 
 from tokenmill.hardware import cpu_has_amx
 
-# The head sizes paged_prefill_attention.cpp computes.
+# The head sizes paged_prefill_attention.cpp computes, and those of the register-blocked
+# paths of paged_decode_attention.cpp.
 PREFILL_HEAD_DIMS = frozenset({64, 128, 256})
+BLOCKED_DECODE_HEAD_DIMS = PREFILL_HEAD_DIMS
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +69,15 @@ class KernelCapabilities:
         activations (bfloat16: ``bf16_linear``; float32: ``f32_linear``)."""
         return ((dtype == torch.bfloat16 and self.bf16_linear)
                 or (dtype == torch.float32 and self.f32_linear))
+
+    def int8_kv_integer_scores(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether the decode attention over an 8-bit KV cache (``kv_int8``) rounds each
+        of its ``dtype`` query heads of ``head_dim`` to an 8-bit row too and multiplies
+        them with the keys as integers (``VPDPBUSD``: with AVX512-VNNI, the same build
+        condition as ``vnni_linear``, for float32 or bfloat16 heads of 64, 128 or 256);
+        elsewhere it multiplies the queries as they are, in float32."""
+        return (self.vnni_linear and dtype in (torch.float32, torch.bfloat16)
+                and head_dim in BLOCKED_DECODE_HEAD_DIMS)
 
     def prefill_attention(self, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether the prefill attention kernel computes ``dtype`` heads of ``head_dim``."""

@@ -5,15 +5,15 @@
 //   silu_and_mul(x)          silu(x[:, :I]) * x[:, I:]              x = [gate | up]
 //   rotary_store_kv(...)     rotate the q and k heads of qkv in place ("rotate half"
 //                            layout), then copy each token's k and v into its cache slot
-//                            (into an 8-bit cache: each head's row quantized, its scale
-//                            after its values)
+//                            (into an 8-bit cache: each head's row quantized,
+//                            kv_int8_rows.h)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "dtype_conversion.h"
+#include "kv_int8_rows.h"
 
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -21,6 +21,7 @@
 namespace {
 
 using tokenmill::from_float;
+using tokenmill::store_int8_row;
 using tokenmill::to_float;
 
 void check_rows(const at::Tensor& x, const char* name) {
@@ -85,21 +86,6 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     silu_and_mul_rows<scalar_t>(x, out);
   });
   return out;
-}
-
-// The head_dim values x as an 8-bit cache row: x * (127 / max |x|) rounded to the nearest
-// integer (ties to even), then the scale max |x| * (1 / 127) as float32 (0 for a row of
-// zeros), as kv_int8.quantize_rows computes them.
-template <typename T>
-inline void store_int8_row(const T* x, int64_t head_dim, int8_t* row) {
-  float peak = 0.f;
-  for (int64_t d = 0; d < head_dim; ++d) peak = std::max(peak, std::fabs(to_float(x[d])));
-  const float inv = peak > 0.f ? 127.f / peak : 0.f;
-  for (int64_t d = 0; d < head_dim; ++d) {
-    row[d] = static_cast<int8_t>(std::nearbyint(to_float(x[d]) * inv));
-  }
-  const float scale = peak * (1.f / 127.f);
-  std::memcpy(row + head_dim, &scale, sizeof(scale));
 }
 
 // C: the cache's element type, T or int8_t (rows of head_dim + 4 bytes).

@@ -52,6 +52,7 @@ class NativeKernels:
     silu_and_mul: sig.SiluAndMul
     rotary_store_kv: sig.RotaryStoreKV
     paged_decode_attention: sig.PagedDecodeAttention
+    dequantize_kv_blocks: sig.DequantizeKVBlocks
     argmax_rows: sig.ArgmaxRows
     sample_rows: sig.SampleRows
     logprob_rows: sig.LogprobRows
@@ -102,7 +103,8 @@ def native_kernels() -> NativeKernels | None:
     return NativeKernels(
         capabilities=KernelCapabilities.of_loaded_library(), rms_norm=ops.rms_norm,
         silu_and_mul=ops.silu_and_mul, rotary_store_kv=ops.rotary_store_kv,
-        paged_decode_attention=ops.paged_decode_attention, argmax_rows=ops.argmax_rows,
+        paged_decode_attention=ops.paged_decode_attention,
+        dequantize_kv_blocks=ops.dequantize_kv_blocks, argmax_rows=ops.argmax_rows,
         sample_rows=ops.sample_rows, logprob_rows=ops.logprob_rows)
 
 

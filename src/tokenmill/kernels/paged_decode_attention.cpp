@@ -18,9 +18,16 @@
 // AVX-512 (decode_attention_avx512) the same plan in 16 lanes, and each key row too is
 // read and widened once for up to 3 query heads; bfloat16 heads on a CPU with AVX512-BF16
 // are scored with VDPBF16PS on the keys' own bfloat16 pairs (exact products, float32
-// sums, the scale applied to the sum), without widening them. Both take their tasks in batches
-// (thread_batches.h) and, while computing a task, request the next task's K and V rows
-// into L2 (NextTaskRows), so that memory streams during the arithmetic.
+// sums, the scale applied to the sum), without widening them.
+//
+// An 8-bit cache (kv_int8_rows.h: each row's int8 values, then its float32 scale) is read
+// in place: on every path each key's scores and each value's weights are times its row's
+// scale. With AVX512-VNNI its keys are scored as integers: each query head is rounded to
+// an 8-bit row too, and VPDPBUSD multiplies 64 byte pairs an instruction (score_int8_keys).
+//
+// Both register-blocked paths take their tasks in batches (thread_batches.h) and, while
+// computing a task, request the next task's K and V rows into L2 (NextTaskRows), so that
+// memory streams during the arithmetic.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -28,6 +35,7 @@
 #include "avx2_lanes.h"
 #include "avx512_lanes.h"
 #include "dtype_conversion.h"
+#include "kv_int8_rows.h"
 #include "thread_batches.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -73,9 +81,7 @@ constexpr bool kInt8Cache = std::is_same_v<C, int8_t>;
 template <typename C>
 inline float row_scale(const C* row, int64_t head_dim) {
   if constexpr (kInt8Cache<C>) {
-    float scale;
-    std::memcpy(&scale, row + head_dim, sizeof(scale));
-    return scale;
+    return tokenmill::int8_row_scale(row, head_dim);
   } else {
     return 1.f;
   }
@@ -604,6 +610,63 @@ inline void score_key_pairs(const at::BFloat16* const (&keys)[kKeys], const uint
 constexpr bool kScorePairs = false;
 #endif
 
+// bytes[g * (head_dim + 4) ...]: query head h0 + g of sequence b rounded to an 8-bit row
+// (kv_int8_rows.h: its int8 values, then its scale); offsets[g]: 128 * the sum of its
+// values (what VPDPBUSD adds to a dot product with keys offset by 128).
+template <typename T, typename C>
+void int8_queries(const DecodeOperands<T, C>& op, int64_t b, int64_t h0, int64_t head_dim,
+                  int8_t* bytes, float* offsets) {
+  for (int64_t g = 0; g < op.group; ++g) {
+    int8_t* row = bytes + g * (head_dim + 4);
+    tokenmill::store_int8_row(op.q + b * op.q_seq_stride + (h0 + g) * op.q_head_stride,
+                              head_dim, row);
+    int32_t sum = 0;
+    for (int64_t d = 0; d < head_dim; ++d) sum += row[d];
+    offsets[g] = 128.f * static_cast<float>(sum);
+  }
+}
+
+// (The build condition of vnni_linear.cpp too: KernelCapabilities.int8_kv_integer_scores.)
+#if defined(__AVX512VNNI__)
+constexpr bool kIntegerScores = true;
+
+// score_keys for an 8-bit cache with VPDPBUSD: the NH query heads rounded to 8-bit rows
+// (int8_queries: queries, offsets) against the kKeys 8-bit key rows, 64 byte pairs an
+// instruction (the keys' bytes offset by 128, as unsigned, times the queries' signed
+// ones). The sums are exact integers (below 2^24 in float32 too, whatever their order);
+// less the offsets, times both rows' scales and score_scale, they are the scores.
+template <int64_t HEAD_DIM, int NH>
+inline void score_int8_keys(const int8_t* const (&keys)[kKeys], const int8_t* queries,
+                            const float* offsets, float score_scale, float* scores,
+                            int64_t score_stride) {
+  constexpr int64_t kRow = HEAD_DIM + 4;
+  __m512i acc[NH][kKeys];
+  for (int g = 0; g < NH; ++g) {
+    for (int64_t j = 0; j < kKeys; ++j) acc[g][j] = _mm512_setzero_si512();
+  }
+  const __m512i flip = _mm512_set1_epi8(-128);
+  for (int64_t c = 0; c < HEAD_DIM / 64; ++c) {
+    __m512i q[NH];
+    for (int g = 0; g < NH; ++g) q[g] = _mm512_loadu_si512(queries + g * kRow + 64 * c);
+    for (int64_t j = 0; j < kKeys; ++j) {
+      const __m512i k = _mm512_xor_si512(_mm512_loadu_si512(keys[j] + 64 * c), flip);
+      for (int g = 0; g < NH; ++g) acc[g][j] = _mm512_dpbusd_epi32(acc[g][j], k, q[g]);
+    }
+  }
+  const __m256 key_scale = key_scales<HEAD_DIM>(keys);
+  for (int g = 0; g < NH; ++g) {
+    __m256 halves[kKeys];
+    for (int64_t j = 0; j < kKeys; ++j) halves[j] = add_halves(_mm512_cvtepi32_ps(acc[g][j]));
+    const float scale = tokenmill::int8_row_scale(queries + g * kRow, HEAD_DIM) * score_scale;
+    const __m256 dots = _mm256_sub_ps(fold8(halves), _mm256_set1_ps(offsets[g]));
+    _mm256_storeu_ps(scores + g * score_stride,
+                     _mm256_mul_ps(dots, _mm256_mul_ps(key_scale, _mm256_set1_ps(scale))));
+  }
+}
+#else
+constexpr bool kIntegerScores = false;
+#endif
+
 // AddValues8 with 16-lane registers: kDimsPerPass dimensions of NH query heads per pass.
 struct AddValues16 {
 template <typename T, typename C, int NH>
@@ -654,9 +717,13 @@ void decode_attention_avx512(const DecodeOperands<T, C>& op) {
   tokenmill::parallel_batches(op.num_seqs * op.tasks_per_seq, [&](int64_t begin, int64_t end,
                                                                   int64_t following) {
     constexpr bool kPairs = kScorePairs && std::is_same_v<C, at::BFloat16>;
-    // the group's queries: scaled float32 (FMA scores) or their bfloat16 bits (pairs)
-    std::vector<float> scores, queries(kPairs ? 0 : group * HEAD_DIM), inv_totals(group);
+    constexpr bool kIntegers = kIntegerScores && kInt8Cache<C>;
+    // the group's queries: scaled float32 (FMA scores), their bfloat16 bits (pairs) or
+    // 8-bit rows (integers)
+    std::vector<float> scores, queries(kPairs || kIntegers ? 0 : group * HEAD_DIM);
+    std::vector<float> inv_totals(group), query_offsets(kIntegers ? group : 0);
     std::vector<uint16_t> raw(kPairs ? group * HEAD_DIM : 0);
+    std::vector<int8_t> bytes(kIntegers ? group * (HEAD_DIM + 4) : 0);
     tasks_in_order(op, begin, end, following, width, head_groups,
                    HEAD_DIM / kDimsPerPass * head_groups,
                    [&](const TaskKeys& task, const int64_t* offsets, NextTaskRows<C>& ahead,
@@ -667,6 +734,8 @@ void decode_attention_avx512(const DecodeOperands<T, C>& op) {
         const int64_t head_offset = (kv - task.kv_begin) * op.row_width;
         if constexpr (kPairs) {
           raw_queries(op, task.b, kv * group, HEAD_DIM, raw.data());
+        } else if constexpr (kIntegers) {
+          int8_queries(op, task.b, kv * group, HEAD_DIM, bytes.data(), query_offsets.data());
         } else {
           scaled_queries(op, task.b, kv * group, HEAD_DIM, queries.data());
         }
@@ -693,6 +762,16 @@ void decode_attention_avx512(const DecodeOperands<T, C>& op) {
                 score_key_pairs<HEAD_DIM, 2>(keys, rq, op.scale, s, padded);
               } else {
                 score_key_pairs<HEAD_DIM, 1>(keys, rq, op.scale, s, padded);
+              }
+            } else if constexpr (kIntegers) {
+              const int8_t* bq = bytes.data() + g0 * (HEAD_DIM + 4);
+              const float* off = query_offsets.data() + g0;
+              if (heads == 3) {
+                score_int8_keys<HEAD_DIM, 3>(keys, bq, off, op.scale, s, padded);
+              } else if (heads == 2) {
+                score_int8_keys<HEAD_DIM, 2>(keys, bq, off, op.scale, s, padded);
+              } else {
+                score_int8_keys<HEAD_DIM, 1>(keys, bq, off, op.scale, s, padded);
               }
             } else if (const float* q = queries.data() + g0 * HEAD_DIM; heads == 3) {
               score_keys<C, HEAD_DIM, 3>(keys, q, s, padded);

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
 
@@ -32,7 +33,9 @@ class RotaryStoreKV(Protocol):
                  num_kv_heads: int) -> None:
         """Rotate q and k of ``qkv [T, (heads + 2 kv_heads) D]`` in place by ``cos, sin``
         (``RotaryEmbedding.cos_sin``'s), then write k and v of token ``t`` into the caches
-        ``[blocks, block_size, kv_heads, D]`` at flat slot ``slot_mapping[t]`` (int64)."""
+        ``[blocks, block_size, kv_heads, D]`` at flat slot ``slot_mapping[t]`` (int64);
+        into 8-bit caches ``[blocks, block_size, kv_heads, D + 4]`` quantized
+        (``kv_int8``)."""
         ...
 
 
@@ -43,7 +46,16 @@ class PagedDecodeAttention(Protocol):
         """Attention of one query token per sequence, ``q [B, heads, D]`` (rows may be
         strided), over its ``seq_lens[b]`` keys and values read in place in the blocks
         ``block_tables[b]`` names (both int32) -> ``[B, heads, D]``; with ``window > 0``
-        over its last ``window`` keys only."""
+        over its last ``window`` keys only. The caches are in q's dtype, or both 8-bit
+        (``kv_int8``)."""
+        ...
+
+
+class DequantizeKVBlocks(Protocol):
+    def __call__(self, cache: Tensor, blocks: Tensor, dtype: torch.dtype) -> Tensor:
+        """The blocks ``blocks [n]`` (int64) of an 8-bit layer cache ``[2, num_blocks,
+        block_size, kv_heads, D + 4]`` as values ``[2, n, block_size, kv_heads, D]`` in
+        ``dtype``: ``kv_int8.dequantize_rows``'s."""
         ...
 
 

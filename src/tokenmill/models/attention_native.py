@@ -11,7 +11,6 @@ from tokenmill.kernels import NativeKernels
 from tokenmill.models.attention import AttentionBackend, AttentionPlan, PrefillAttention
 from tokenmill.models.attention_metadata import AttentionMetadata
 from tokenmill.models.attention_sdpa import SdpaPrefill
-from tokenmill.models.kv_int8 import dequantize_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +62,7 @@ class NativePrefill:
 
     def __init__(self, kernels: NativeKernels, dtype: torch.dtype, head_dim: int) -> None:
         self._attention = kernels.prefill_attention(dtype, head_dim)
+        self._dequantize_blocks = kernels.dequantize_kv_blocks
 
     def plan(self, md: AttentionMetadata, rows: list[int],
              num_cache_blocks: int) -> NativePrefillPlan:
@@ -86,7 +86,8 @@ class NativePrefill:
                  out: torch.Tensor) -> None:
         tables = plan.block_tables
         if kv_cache.dtype == torch.int8:
-            kv_cache, tables = dequantize_rows(kv_cache[:, plan.blocks], q.dtype), plan.renumbered
+            kv_cache = self._dequantize_blocks(kv_cache, plan.blocks, q.dtype)
+            tables = plan.renumbered
         self._attention(q, kv_cache[0], kv_cache[1], tables, plan.query_ranges,
                         plan.seq_lens, scale, out)
 

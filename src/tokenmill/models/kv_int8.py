@@ -5,12 +5,16 @@ then its float32 scale, in the row's last 4 bytes (``head_dim + 4`` bytes in all
 
     | round(x_0 * r) ... round(x_{D-1} * r) | s (float32) |
 
-with ``r = 127 / max |x|`` and the scale ``s = max |x| * (1 / 127)``, so one layer's cache is an int8 tensor ``[2, num_blocks, block_size, kv_heads, D + 4]``,
-laid out as a model-dtype cache is, only its rows wider. Values round to the nearest
-integer, ties to even; a row of zeros has scale 0. The native kernels write
-(``rotary_store_kv``) and read (the decode attention) these rows in place; the native
-prefill attention reads a dequantized copy of its sequences' blocks, and the PyTorch paths
-use ``quantize_rows`` and ``dequantize_rows``, which give the native store's very bytes.
+with ``r = 127 / max |x|`` and the scale ``s = max |x| * (1 / 127)``, so one layer's
+cache is an int8 tensor ``[2, num_blocks, block_size, kv_heads, D + 4]``, laid out as a
+model-dtype cache is, only its rows wider. Values round to the nearest integer, ties to
+even; a row of zeros has scale 0. The native kernels write (``rotary_store_kv``) and read
+(the decode attention) these rows in place; with AVX512-VNNI the decode attention rounds
+each query head to such a row as well and scores the keys as integers
+(``KernelCapabilities.int8_kv_integer_scores``). The native prefill attention reads a
+dequantized copy of its sequences' blocks (``dequantize_kv_blocks``), and the PyTorch
+paths use ``quantize_rows`` and ``dequantize_rows``, which give the native ops' very
+bytes and values.
 """
 
 from __future__ import annotations

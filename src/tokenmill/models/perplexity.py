@@ -3,7 +3,8 @@
 Used to measure what a weight format (``--quantization``) or an 8-bit KV cache
 (``--kv-cache-dtype int8``) costs in accuracy: the same text through two loadings of one
 model, or through one with either cache. One prefill over a private paged KV cache, the
-same forward pass the engine runs, so what is measured is what is served.
+same forward pass the engine runs, so what is measured is what is served; or a prefill
+of the text's start and then one decode step per token, as an output is computed.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ BLOCK_SIZE = 16
 
 @torch.inference_mode()
 def next_token_logprobs(model: torch.nn.Module, token_ids: list[int],
-                        kv_int8: bool = False) -> torch.Tensor:
+                        kv_int8: bool = False, decode_from: int | None = None) -> torch.Tensor:
     """``[n - 1, V]`` float32: the log-probabilities of every next token after each of
     ``token_ids[:-1]``, given the tokens before it (read from an 8-bit KV cache where
-    ``kv_int8``)."""
+    ``kv_int8``); with ``decode_from``, the first that many tokens in one prefill and
+    each later one in a decode step of its own (its own attention kernel: the decode's)."""
     if len(token_ids) < 2:
         raise ValueError("perplexity needs at least two tokens")
     device = model.model.embed_tokens.weight.device
@@ -32,13 +34,24 @@ def next_token_logprobs(model: torch.nn.Module, token_ids: list[int],
     shape = model.kv_cache_shape(num_blocks, BLOCK_SIZE, kv_int8)
     kv_caches = [torch.zeros(shape, dtype=torch.int8 if kv_int8 else dtype, device=device)
                  for _ in range(model.config.num_hidden_layers)]
-    metadata = AttentionMetadata(
-        slot_mapping=torch.arange(n, device=device), query_start_loc=[0, n], query_lens=[n],
-        seq_lens=[n], block_tables=torch.arange(num_blocks, device=device)[None],
-        block_size=BLOCK_SIZE)
     ids = torch.tensor(token_ids, device=device)
-    hidden = model(ids, torch.arange(n, device=device), metadata, kv_caches)
+    steps = [(0, n)] if decode_from is None else [(0, decode_from)] + [
+        (i, i + 1) for i in range(decode_from, n)]
+    hidden = torch.cat([_forward(model, ids, start, end, kv_caches) for start, end in steps])
     return torch.log_softmax(model.compute_logits(hidden[:-1]), dim=-1).cpu()
+
+
+def _forward(model: torch.nn.Module, ids: torch.Tensor, start: int, end: int,
+             kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    """The hidden states of tokens ``start .. end - 1`` of one sequence whose earlier
+    tokens are in ``kv_caches`` (blocks 0, 1, ... in order)."""
+    device = ids.device
+    positions = torch.arange(start, end, device=device)
+    metadata = AttentionMetadata(
+        slot_mapping=positions, query_start_loc=[0, end - start], query_lens=[end - start],
+        seq_lens=[end], block_tables=torch.arange(kv_caches[0].shape[1], device=device)[None],
+        block_size=BLOCK_SIZE)
+    return model(ids[start:end], positions, metadata, kv_caches)
 
 
 def mean_kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:
