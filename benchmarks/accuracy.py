@@ -1,13 +1,15 @@
-"""What a dtype or ``--quantization`` costs in accuracy, against float32 on the same weights.
+"""What a dtype, ``--quantization`` or an 8-bit KV cache costs in accuracy, against float32
+on the same weights.
 
 For each configuration (``float32``, the reference; ``bfloat16``; ``int8`` and ``int4``
 weights with the activations ``--dtype auto`` gives them, as ``tokenmill serve`` does:
 bfloat16 where the CPU computes it, float32 elsewhere; ``w4a8``, int4 weights times int8
 activations, in float32, where its kernel runs; ``gguf``, a GGUF file's own blocks, where
-the model is one and the native kernels take that dtype; bfloat16 only where the CPU
-computes it)
-it measures, on the embedded model unless ``--model`` (every engine option but ``--dtype``
-and ``--quantization``, which the configurations set, applies to all of them):
+the model is one and the native kernels take that dtype; ``kv-int8``, ``--dtype auto``
+with ``--kv-cache-dtype int8``; bfloat16 only where the CPU computes it)
+it measures, on the embedded model unless ``--model`` (every engine option but ``--dtype``,
+``--quantization`` and ``--kv-cache-dtype``, which the configurations set, applies to all
+of them):
 
 - on a fixed public-domain text (``tests/data/public_domain.txt``), one prefill through
   the engine's own forward pass: the perplexity and its change against float32, the mean
@@ -53,7 +55,8 @@ CONFIGS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
            "int4": {"dtype": "auto", "quantization": "int4"},
            "w4a8": {"dtype": "auto", "quantization": "w4a8"},
            "w8a8": {"dtype": "auto", "quantization": "w8a8"},
-           "gguf": {"dtype": "auto", "quantization": "gguf"}}
+           "gguf": {"dtype": "auto", "quantization": "gguf"},
+           "kv-int8": {"dtype": "auto", "kv_cache_dtype": "int8"}}
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.",
     "List three uses of a paperclip.", "Explain photosynthesis in one sentence.",
@@ -65,14 +68,16 @@ QUESTIONS = [
 
 
 def measure_config(base: EngineConfig, options: dict, max_tokens: int) -> dict:
-    llm = LLM(**dataclasses.asdict(dataclasses.replace(base, **options)))
+    config = dataclasses.replace(base, **options)
+    llm = LLM(**dataclasses.asdict(config))
     with open(TEXT, encoding="utf-8") as f:
         text_ids = llm.tokenizer.encode(f.read())
     model_module = llm.engine.core.executor.model
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}])
                for q in QUESTIONS]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
-    logprobs = next_token_logprobs(model_module, text_ids)
+    logprobs = next_token_logprobs(model_module, text_ids,
+                                   kv_int8=config.kv_cache_dtype == "int8")
     result = {"perplexity": perplexity_of(logprobs, text_ids), "text_tokens": len(text_ids),
               "logprobs": logprobs, "outputs": [list(o.outputs[0].token_ids) for o in outputs]}
     del llm
@@ -85,7 +90,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--out", default="benchmarks/results/accuracy.json")
     add_options(parser.add_argument_group("engine"), EngineConfig,
-                skip=("dtype", "quantization"))
+                skip=("dtype", "quantization", "kv_cache_dtype"))
     parser.set_defaults(max_num_seqs=len(QUESTIONS))
     args = parser.parse_args()
     base = options_from(args, EngineConfig)

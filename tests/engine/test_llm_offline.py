@@ -113,3 +113,29 @@ def test_bad_options_and_prompts_raise_clear_errors(tiny_model) -> None:
     with pytest.raises(InvalidParameterError):
         llm.generate([[1, 2, 10_000]], GREEDY)
     llm.engine.core.check_integrity()
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_an_8_bit_kv_cache_holds_more_tokens_in_the_same_memory(tiny_model, kernels) -> None:
+    """``--kv-cache-dtype int8``: a float32 model's heads of D values take D + 4 bytes a
+    row instead of 4 D, so the same memory holds that many times the blocks; every
+    scheduling path runs on it (prefix hits, chunks, preemption) and frees every block."""
+    memory = 1 << 20
+    plain = LLM(tiny_model, dtype="float32", kv_cache_memory=memory, kernels=kernels)
+    small = LLM(tiny_model, dtype="float32", kv_cache_memory=memory, kernels=kernels,
+                kv_cache_dtype="int8")
+    config = plain.engine.core.executor.model.config
+    rows = 2 * config.num_key_value_heads * config.num_hidden_layers * 16  # a block's
+    assert plain.engine.info.kv_cache_tokens == memory // (rows * 4 * config.head_dim) * 16
+    assert small.engine.info.kv_cache_tokens == memory // (rows * (config.head_dim + 4)) * 16
+    batch = [p[:20] for p in prompts(8, seed=3)]  # within the preemption schedule's 48
+    for options in SCHEDULES.values():
+        llm = LLM(tiny_model, dtype="float32", kernels=kernels, kv_cache_dtype="int8",
+                  **options)
+        outputs = llm.generate(batch + batch[:2], GREEDY)  # the last two: prefix hits
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [NUM_TOKENS] * 10
+        assert outputs[8].outputs[0].token_ids == outputs[0].outputs[0].token_ids
+        llm.engine.core.check_integrity()
+        assert llm.engine.core.kv.pool.num_used_blocks == 0
+    with pytest.raises(InvalidParameterError, match="kv_cache_dtype"):
+        LLM(tiny_model, kv_cache_dtype="fp8")
