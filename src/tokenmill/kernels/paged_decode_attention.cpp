@@ -67,13 +67,9 @@ inline void prefetch_row(const T* row, int64_t n) {
 
 constexpr int64_t kMaxHeadDim = 256;
 
-// What both kernels read, from paged_decode_attention's checked tensors, and how they
-// split the work: a task is a sequence's KV heads [kv_begin, kv_begin + heads_per_task):
-// all of them when there are enough sequences to keep every thread busy, else one, so that
-// a few long sequences still spread over the threads.
 // The cache's element type C: T itself, or int8_t for an 8-bit cache, whose (token, KV
 // head) rows hold head_dim values and then their float32 scale (row_width = head_dim + 4
-// bytes): the value stored is x / scale, rounded.
+// bytes, kv_int8_rows.h).
 template <typename C>
 constexpr bool kInt8Cache = std::is_same_v<C, int8_t>;
 
@@ -89,6 +85,10 @@ inline float row_scale(const C* row, int64_t head_dim) {
 
 inline float to_float(int8_t x) { return static_cast<float>(x); }
 
+// What both kernels read, from paged_decode_attention's checked tensors, and how they
+// split the work: a task is a sequence's KV heads [kv_begin, kv_begin + heads_per_task):
+// all of them when there are enough sequences to keep every thread busy, else one, so that
+// a few long sequences still spread over the threads.
 template <typename T, typename C>
 struct DecodeOperands {
   int64_t num_seqs, num_heads, num_kv_heads, group, head_dim, row_width;
@@ -234,6 +234,12 @@ inline __m256 fold8(const __m256 (&v)[8]) {
 }
 
 constexpr int64_t kKeys = 8;          // keys scored at once (one register of scores)
+constexpr int64_t kValueChunks = 4;   // registers of a value row added per pass
+constexpr int64_t kHeadsAtOnce = 3;   // query heads sharing each value (AVX-512: key) row read
+// Tokens ahead whose whole K or V rows (every KV head of the task) are requested while
+// the task's first KV head is computed, for a task whose rows no earlier task requested
+// (the first of a batch); the other KV heads find them in L2.
+constexpr int64_t kRowsAhead = 16;
 
 // Lane j: the scale of key row keys[j] (1 but in an 8-bit cache).
 template <int64_t HEAD_DIM, typename C>
@@ -246,12 +252,6 @@ inline __m256 key_scales(const C* const (&keys)[kKeys]) {
     return _mm256_set1_ps(1.f);
   }
 }
-constexpr int64_t kValueChunks = 4;   // registers of a value row added per pass
-constexpr int64_t kHeadsAtOnce = 3;   // query heads sharing each value (AVX-512: key) row read
-// Tokens ahead whose whole K or V rows (every KV head of the task) are requested while
-// the task's first KV head is computed, for a task whose rows no earlier task requested
-// (the first of a batch); the other KV heads find them in L2.
-constexpr int64_t kRowsAhead = 16;
 
 // One task's keys: its sequence b, first KV head, visible keys (len) and those rounded up
 // to whole tiles of kKeys (padded); offsets[t] = key t's row of the first KV head in
@@ -422,7 +422,7 @@ static void run(const C* values, const int64_t* offsets, int64_t scale_offset, i
 };
 
 // Values: each pass adds DIMS dimensions for up to kHeadsAtOnce query heads
-// (Adder::run<T, heads>), so that a value row read once serves them all; with first (the
+// (Adder::run<T, C, heads>), so that a value row read once serves them all; with first (the
 // task's first KV head, its rows not requested by an earlier task) the first pass requests
 // the rows of all its KV heads ahead.
 template <typename Adder, int64_t DIMS, int64_t HEAD_DIM, typename T, typename C>
@@ -439,16 +439,16 @@ void add_value_passes(const DecodeOperands<T, C>& op, const TaskKeys& task, int6
       T* o = op.out + (task.b * op.num_heads + h0 + g0) * HEAD_DIM + dim0;
       if (heads == 3) {
         Adder::template run<T, C, 3>(values + dim0, offsets, HEAD_DIM - dim0, task.len, s,
-                                     task.padded,
-                                  inv_totals + g0, o, HEAD_DIM, prefetch, width, ahead);
+                                     task.padded, inv_totals + g0, o, HEAD_DIM, prefetch,
+                                     width, ahead);
       } else if (heads == 2) {
         Adder::template run<T, C, 2>(values + dim0, offsets, HEAD_DIM - dim0, task.len, s,
-                                     task.padded,
-                                  inv_totals + g0, o, HEAD_DIM, prefetch, width, ahead);
+                                     task.padded, inv_totals + g0, o, HEAD_DIM, prefetch,
+                                     width, ahead);
       } else {
         Adder::template run<T, C, 1>(values + dim0, offsets, HEAD_DIM - dim0, task.len, s,
-                                     task.padded,
-                                  inv_totals + g0, o, HEAD_DIM, prefetch, width, ahead);
+                                     task.padded, inv_totals + g0, o, HEAD_DIM, prefetch,
+                                     width, ahead);
       }
     }
   }
