@@ -23,7 +23,8 @@
 // An 8-bit cache (kv_int8_rows.h: each row's int8 values, then its float32 scale) is read
 // in place: on every path each key's scores and each value's weights are times its row's
 // scale. With AVX512-VNNI its keys are scored as integers: each query head is rounded to
-// an 8-bit row too, and VPDPBUSD multiplies 64 byte pairs an instruction (score_int8_keys).
+// an 8-bit row too, and VPDPBUSD multiplies 64 byte pairs an instruction, 16 keys at once
+// with their rows transposed so that no sum is horizontal (score_int8_keys).
 //
 // Both register-blocked paths take their tasks in batches (thread_batches.h) and, while
 // computing a task, request the next task's K and V rows into L2 (NextTaskRows), so that
@@ -254,19 +255,20 @@ inline __m256 key_scales(const C* const (&keys)[kKeys]) {
 }
 
 // One task's keys: its sequence b, first KV head, visible keys (len) and those rounded up
-// to whole tiles of kKeys (padded); offsets[t] = key t's row of the first KV head in
-// either cache, the last tile's missing keys repeating the last key (their scores are
-// never read).
+// to whole tiles of keys scored at once (padded); offsets[t] = key t's row of the first KV
+// head in either cache, the last tile's missing keys repeating the last key (their scores
+// are never read).
 struct TaskKeys {
   int64_t b, kv_begin, len, padded;
 };
 
 template <typename T, typename C>
-TaskKeys task_keys(const DecodeOperands<T, C>& op, int64_t task, std::vector<int64_t>& offsets) {
+TaskKeys task_keys(const DecodeOperands<T, C>& op, int64_t task, int64_t tile,
+                   std::vector<int64_t>& offsets) {
   const int64_t b = task / op.tasks_per_seq;
   const int64_t kv_begin = (task % op.tasks_per_seq) * op.heads_per_task;
   const int64_t len = op.visible_len(b);
-  const int64_t padded = (len + kKeys - 1) / kKeys * kKeys;
+  const int64_t padded = (len + tile - 1) / tile * tile;
   offsets.resize(padded);
   op.row_offsets(b, kv_begin, offsets.data());
   std::fill(offsets.begin() + len, offsets.end(), offsets[len - 1]);
@@ -317,25 +319,27 @@ class NextTaskRows {
 };
 
 // Runs body(task, offsets, ahead, requested) for the tasks [begin, end) in order (offsets:
-// the task's rows, as task_keys), with ahead aimed at the next task's rows: the next of
-// the range, then ``following`` (a task this thread computes next, or -1); requested:
-// whether a task before it in the range requested its rows. The body calls
-// ahead.request() calls_per_tile times per key tile and value_passes times per value row,
-// for each of its KV heads: the next task's rows are requested over the whole task.
+// the task's rows, as task_keys, in tiles of `tile` keys), with ahead aimed at the next
+// task's rows: the next of the range, then ``following`` (a task this thread computes
+// next, or -1); requested: whether a task before it in the range requested its rows. The
+// body calls ahead.request() calls_per_tile times per key tile and value_passes times per
+// value row, for each of its KV heads: the next task's rows are requested over the whole
+// task.
 template <typename T, typename C, typename Body>
 void tasks_in_order(const DecodeOperands<T, C>& op, int64_t begin, int64_t end, int64_t following,
-                    int64_t width, int64_t calls_per_tile, int64_t value_passes, Body body) {
+                    int64_t width, int64_t tile, int64_t calls_per_tile, int64_t value_passes,
+                    Body body) {
   std::vector<int64_t> offsets, next_offsets;
   NextTaskRows<C> ahead(op, width);
-  TaskKeys task = task_keys(op, begin, offsets);
+  TaskKeys task = task_keys(op, begin, tile, offsets);
   for (int64_t index = begin; index < end; ++index) {
     const bool requested = index > begin;
     const int64_t next_index = index + 1 < end ? index + 1 : following;
-    const TaskKeys next = next_index >= 0 ? task_keys(op, next_index, next_offsets)
+    const TaskKeys next = next_index >= 0 ? task_keys(op, next_index, tile, next_offsets)
                                           : TaskKeys{0, 0, 0, 0};
     ahead.reset(next_offsets.data(), next.len,
                 op.heads_per_task *
-                    (calls_per_tile * task.padded / kKeys + value_passes * task.len));
+                    (calls_per_tile * task.padded / tile + value_passes * task.len));
     body(task, offsets.data(), ahead, requested);
     std::swap(offsets, next_offsets);
     task = next;
@@ -474,7 +478,7 @@ void decode_attention_avx2(const DecodeOperands<T, C>& op) {
   tokenmill::parallel_batches(op.num_seqs * op.tasks_per_seq, [&](int64_t begin, int64_t end,
                                                                   int64_t following) {
     std::vector<float> scores, queries(group * HEAD_DIM), inv_totals(group);
-    tasks_in_order(op, begin, end, following, width, 1,
+    tasks_in_order(op, begin, end, following, width, kKeys, 1,
                    HEAD_DIM / (8 * kValueChunks) * head_groups,
                    [&](const TaskKeys& task, const int64_t* offsets, NextTaskRows<C>& ahead,
                        bool requested) {
@@ -610,6 +614,10 @@ inline void score_key_pairs(const at::BFloat16* const (&keys)[kKeys], const uint
 constexpr bool kScorePairs = false;
 #endif
 
+// (The build condition of vnni_linear.cpp too: KernelCapabilities.int8_kv_integer_scores.)
+#if defined(__AVX512VNNI__)
+constexpr bool kIntegerScores = true;
+
 // bytes[g * (head_dim + 4) ...]: query head h0 + g of sequence b rounded to an 8-bit row
 // (kv_int8_rows.h: its int8 values, then its scale); offsets[g]: 128 * the sum of its
 // values (what VPDPBUSD adds to a dot product with keys offset by 128).
@@ -626,46 +634,86 @@ void int8_queries(const DecodeOperands<T, C>& op, int64_t b, int64_t h0, int64_t
   }
 }
 
-// (The build condition of vnni_linear.cpp too: KernelCapabilities.int8_kv_integer_scores.)
-#if defined(__AVX512VNNI__)
-constexpr bool kIntegerScores = true;
+constexpr int64_t kIntegerKeys = 16;  // keys scored at once as integers (a register)
 
-// score_keys for an 8-bit cache with VPDPBUSD: the NH query heads rounded to 8-bit rows
-// (int8_queries: queries, offsets) against the kKeys 8-bit key rows, 64 byte pairs an
-// instruction (the keys' bytes offset by 128, as unsigned, times the queries' signed
-// ones). The sums are exact integers (below 2^24 in float32 too, whatever their order);
-// less the offsets, times both rows' scales and score_scale, they are the scores.
+// Transposes 16 registers of 16 dwords: afterwards lane j of r[i] is what lane i of r[j]
+// was. (Two interleaving stages leave r[4k + m]'s 128-bit lane L holding dword 4L + m of
+// rows 4k .. 4k + 3; two 128-bit shuffles per output gather the four lanes of a dword.)
+inline void transpose_dwords(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    r[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+    r[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+    r[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+    r[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {
+    const __m512i v0 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0x44);
+    const __m512i v1 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0xEE);
+    r[m] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[4 + m] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    r[8 + m] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[12 + m] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
+inline int32_t load_dword(const void* p) {
+  int32_t x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+// scores[g * score_stride + j] for the NH query heads rounded to 8-bit rows (int8_queries:
+// queries, offsets) and the kIntegerKeys 8-bit key rows keys[j], with VPDPBUSD: 64 bytes of
+// each key a step, transposed so that lane j of register i holds key j's bytes 4i .. 4i + 3
+// and each instruction multiplies them with query bytes 4i .. 4i + 3 in every lane (the
+// keys' bytes offset by 128, as unsigned, times the queries' signed ones). The sums are
+// exact integers (below 2^24 in float32 too); less the offsets, times both rows' scales
+// and score_scale, they are the scores, lane j key j's (no horizontal sums).
 template <int64_t HEAD_DIM, int NH>
-inline void score_int8_keys(const int8_t* const (&keys)[kKeys], const int8_t* queries,
+inline void score_int8_keys(const int8_t* const (&keys)[kIntegerKeys], const int8_t* queries,
                             const float* offsets, float score_scale, float* scores,
                             int64_t score_stride) {
   constexpr int64_t kRow = HEAD_DIM + 4;
-  __m512i acc[NH][kKeys];
-  for (int g = 0; g < NH; ++g) {
-    for (int64_t j = 0; j < kKeys; ++j) acc[g][j] = _mm512_setzero_si512();
-  }
+  __m512i acc[NH];
+  for (int g = 0; g < NH; ++g) acc[g] = _mm512_setzero_si512();
   const __m512i flip = _mm512_set1_epi8(-128);
   for (int64_t c = 0; c < HEAD_DIM / 64; ++c) {
-    __m512i q[NH];
-    for (int g = 0; g < NH; ++g) q[g] = _mm512_loadu_si512(queries + g * kRow + 64 * c);
-    for (int64_t j = 0; j < kKeys; ++j) {
-      const __m512i k = _mm512_xor_si512(_mm512_loadu_si512(keys[j] + 64 * c), flip);
-      for (int g = 0; g < NH; ++g) acc[g][j] = _mm512_dpbusd_epi32(acc[g][j], k, q[g]);
+    __m512i r[kIntegerKeys];
+    for (int64_t j = 0; j < kIntegerKeys; ++j) {
+      r[j] = _mm512_xor_si512(_mm512_loadu_si512(keys[j] + 64 * c), flip);
+    }
+    transpose_dwords(r);
+    for (int64_t i = 0; i < 16; ++i) {
+      for (int g = 0; g < NH; ++g) {
+        const __m512i q = _mm512_set1_epi32(load_dword(queries + g * kRow + 64 * c + 4 * i));
+        acc[g] = _mm512_dpbusd_epi32(acc[g], r[i], q);
+      }
     }
   }
-  const __m256 key_scale = key_scales<HEAD_DIM>(keys);
+  alignas(64) float key_scale[kIntegerKeys];
+  for (int64_t j = 0; j < kIntegerKeys; ++j) {
+    key_scale[j] = tokenmill::int8_row_scale(keys[j], HEAD_DIM);
+  }
+  const __m512 key_scales16 = _mm512_load_ps(key_scale);
   for (int g = 0; g < NH; ++g) {
-    __m256 halves[kKeys];
-    for (int64_t j = 0; j < kKeys; ++j) halves[j] = add_halves(_mm512_cvtepi32_ps(acc[g][j]));
     const float scale = tokenmill::int8_row_scale(queries + g * kRow, HEAD_DIM) * score_scale;
-    const __m256 dots = _mm256_sub_ps(fold8(halves), _mm256_set1_ps(offsets[g]));
-    _mm256_storeu_ps(scores + g * score_stride,
-                     _mm256_mul_ps(dots, _mm256_mul_ps(key_scale, _mm256_set1_ps(scale))));
+    const __m512 dots = _mm512_sub_ps(_mm512_cvtepi32_ps(acc[g]), _mm512_set1_ps(offsets[g]));
+    _mm512_storeu_ps(scores + g * score_stride,
+                     _mm512_mul_ps(dots, _mm512_mul_ps(key_scales16, _mm512_set1_ps(scale))));
   }
 }
+
 #else
 constexpr bool kIntegerScores = false;
 #endif
+
 
 // AddValues8 with 16-lane registers: kDimsPerPass dimensions of NH query heads per pass.
 struct AddValues16 {
@@ -718,13 +766,14 @@ void decode_attention_avx512(const DecodeOperands<T, C>& op) {
                                                                   int64_t following) {
     constexpr bool kPairs = kScorePairs && std::is_same_v<C, at::BFloat16>;
     constexpr bool kIntegers = kIntegerScores && kInt8Cache<C>;
+    constexpr int64_t kTile = kIntegers ? kIntegerKeys : kKeys;  // keys scored at once
     // the group's queries: scaled float32 (FMA scores), their bfloat16 bits (pairs) or
     // 8-bit rows (integers)
     std::vector<float> scores, queries(kPairs || kIntegers ? 0 : group * HEAD_DIM);
     std::vector<float> inv_totals(group), query_offsets(kIntegers ? group : 0);
     std::vector<uint16_t> raw(kPairs ? group * HEAD_DIM : 0);
     std::vector<int8_t> bytes(kIntegers ? group * (HEAD_DIM + 4) : 0);
-    tasks_in_order(op, begin, end, following, width, head_groups,
+    tasks_in_order(op, begin, end, following, width, kTile, head_groups,
                    HEAD_DIM / kDimsPerPass * head_groups,
                    [&](const TaskKeys& task, const int64_t* offsets, NextTaskRows<C>& ahead,
                        bool requested) {
@@ -744,12 +793,12 @@ void decode_attention_avx512(const DecodeOperands<T, C>& op) {
         for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
           const int64_t heads = std::min(kHeadsAtOnce, group - g0);
           const bool prefetch = first && g0 == 0;
-          for (int64_t t0 = 0; t0 < padded; t0 += kKeys) {
+          for (int64_t t0 = 0; t0 < padded; t0 += kTile) {
             ahead.request();
-            const C* keys[kKeys];
-            for (int64_t j = 0; j < kKeys; ++j) keys[j] = op.k + offsets[t0 + j] + head_offset;
+            const C* keys[kTile];
+            for (int64_t j = 0; j < kTile; ++j) keys[j] = op.k + offsets[t0 + j] + head_offset;
             if (prefetch) {
-              for (int64_t j = t0 + kRowsAhead; j < std::min(t0 + kRowsAhead + kKeys, len); ++j) {
+              for (int64_t j = t0 + kRowsAhead; j < std::min(t0 + kRowsAhead + kTile, len); ++j) {
                 prefetch_row(op.k + offsets[j], width);
               }
             }
