@@ -9,6 +9,7 @@ import pytest
 import torch
 from paged_runner import PagedRunner
 
+from tiny_model import make_tiny_model_dir
 from tokenmill.errors import InvalidParameterError
 from tokenmill.hardware import resolve_dtype
 from tokenmill.models.llama import split_rows_per_thread
@@ -125,6 +126,49 @@ def test_an_8_bit_cache_through_one_native_call_equals_the_layer_modules(
             assert torch.equal(ours, theirs)
         for ours, theirs in zip(native_caches, module_caches, strict=True):
             assert torch.equal(ours, theirs)
+
+
+def test_a_thread_done_early_takes_half_of_another_threads_rows(tmp_path, native):
+    """Sequences of very unequal contexts, the first thread's share over one key each and
+    the second's over hundreds: the first thread, done early, takes half of the second's
+    rows at a layer boundary (and the halves may halve again), and the logits and caches
+    are still the modules' bit for bit."""
+    rows = split_rows_per_thread(native.capabilities)
+    if not rows:
+        pytest.skip("the linear kernels use AMX tiles here: the call never splits")
+    model = load(make_tiny_model_dir(tmp_path, num_hidden_layers=8), "none", native)
+    streams, long_prompt = 2 * rows, 400
+    prompts = [(s, [10 + (s + i) % 90 for i in range(1 if s < rows else long_prompt)])
+               for s in range(streams)]
+
+    def decode(native_layers: bool):
+        stack = model.decode_layers
+        runner = PagedRunner(model, num_blocks=rows * (long_prompt // 4 + 4) + streams * 4,
+                             block_size=4)
+        logits = [runner.step(prompts)]
+        model.decode_layers = stack if native_layers else None
+        try:
+            for step in range(4):
+                logits.append(runner.step([(s, [100 + (s + step) % 50])
+                                           for s in range(streams)]))
+        finally:
+            model.decode_layers = stack
+        return logits, runner.kv_caches
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        handed_before = model.decode_layers.handover_count()
+        native_logits, native_caches = decode(True)
+        handed = model.decode_layers.handover_count() - handed_before
+        module_logits, module_caches = decode(False)
+    finally:
+        torch.set_num_threads(threads)
+    assert handed > 0
+    for ours, theirs in zip(native_logits, module_logits, strict=True):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(native_caches, module_caches, strict=True):
+        assert torch.equal(ours, theirs)
 
 
 def test_qk_norm_takes_the_modules(tiny_model_dir, native):

@@ -21,14 +21,21 @@
 // thread takes a contiguous share of them through every layer instead: no thread waits for
 // the others at the end of every op, and a sequence's row gets the same result in its
 // share as in the whole batch (the kernels' results do not depend on a row's neighbours).
-// A speculative verification's rows attend to each other's new keys and values, stored
-// within the same layer: they are never split.
+// A thread that finishes its rows early (its share attends over shorter contexts, or the
+// other threads lost their cores to other programs for a while) waits for a piece: at its
+// next layer boundary, a thread with rows to spare hands the second half of its rows over,
+// with their hidden states, and each goes on from that layer (RowPieces). A speculative
+// verification's rows attend to each other's new keys and values, stored within the same
+// layer: they are never split.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -58,6 +65,114 @@ c10::OperatorHandle find_op(const std::string& qualified_name) {
   return *handle;
 }
 
+// Rows [first, first + count) of a split call's batch at layer `layer`: their hidden states
+// h entering it, and the rows' own rotary tables, slots, block tables and context lengths.
+struct RowPiece {
+  int64_t first = 0, count = 0, layer = 0;
+  at::Tensor h, cos, sin, slot_mapping, block_tables, seq_lens;
+
+  // The last `given` of these rows, at the same layer; these keep the others.
+  RowPiece hand_over(int64_t given) {
+    const int64_t kept = count - given;
+    RowPiece other{first + kept, given, layer};
+    at::Tensor RowPiece::*parts[] = {&RowPiece::h, &RowPiece::cos, &RowPiece::sin,
+                                      &RowPiece::slot_mapping, &RowPiece::block_tables,
+                                      &RowPiece::seq_lens};
+    for (at::Tensor RowPiece::*part : parts) {
+      other.*part = (this->*part).narrow(0, kept, given);
+      this->*part = (this->*part).narrow(0, 0, kept);
+    }
+    count = kept;
+    return other;
+  }
+};
+
+// The pieces a split call's threads hand each other. Invariants: busy counts the threads
+// computing rows; a piece is offered only while a thread waits (idle > 0), and at most one
+// at a time; a thread leaves (next returns false) only when no thread is busy and no piece
+// waits, so every row is computed once.
+class RowPieces {
+ public:
+  // The calling thread starts on its share.
+  void start() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++busy_;
+  }
+
+  // Whether a thread waits for rows (cheap: read at every layer boundary).
+  bool wanted() const { return idle_.load(std::memory_order_relaxed) > 0; }
+
+  // Gives the last half of `from`'s rows to a waiting thread; false (from keeps them) if
+  // none waits.
+  bool offer(RowPiece& from) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (idle_.load(std::memory_order_relaxed) == 0 || has_offer_) return false;
+    offered_ = from.hand_over(from.count / 2);
+    has_offer_ = true;
+    ++handovers_;
+    ready_.notify_one();
+    return true;
+  }
+
+  // The calling thread's rows are done: it waits, off its core, for a piece
+  // (true: in piece) or for every thread to be done (false).
+  bool next(RowPiece& piece) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    --busy_;
+    idle_.fetch_add(1, std::memory_order_relaxed);
+    ready_.wait(lock, [&] { return has_offer_ || busy_ == 0; });
+    idle_.fetch_sub(1, std::memory_order_relaxed);
+    if (!has_offer_) {
+      ready_.notify_all();
+      return false;
+    }
+    piece = std::move(offered_);
+    has_offer_ = false;
+    ++busy_;
+    return true;
+  }
+
+  // The calling thread failed: it stops being busy without waiting (nothing is offered to
+  // it), so that the others still finish and leave.
+  void leave() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    --busy_;
+    ready_.notify_all();
+  }
+
+  // A piece's rows are through the last layer: h, their hidden states.
+  void finished(const RowPiece& piece) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    finished_.push_back(piece);
+  }
+
+  // The batch's hidden states, every piece's rows in place (called on the thread that
+  // called the parallel region, once every thread has left: an in-place copy on a worker
+  // thread would not be in the caller's inference mode).
+  at::Tensor gather(const at::Tensor& like) const {
+    at::Tensor out = at::empty_like(like);
+    for (const RowPiece& piece : finished_) out.narrow(0, piece.first, piece.count).copy_(piece.h);
+    return out;
+  }
+
+  int64_t handovers() const { return handovers_; }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::atomic<int64_t> idle_{0};
+  int64_t busy_ = 0, handovers_ = 0;
+  bool has_offer_ = false;
+  RowPiece offered_;
+  std::vector<RowPiece> finished_;
+};
+
+// A piece is handed over only with this many rows or more (each half then keeps at least
+// half of them) and two layers or more to go: fewer rows a matmul read the weights for
+// fewer products each, and the last layer alone is not worth a second read of its weights.
+constexpr int64_t kMinRowsToHandOver = 8;
+constexpr int64_t kMinLayersToHandOver = 2;
+
 struct DecodeLayers : torch::CustomClassHolder {
   struct Layer {
     at::Tensor input_norm, post_norm;
@@ -70,6 +185,8 @@ struct DecodeLayers : torch::CustomClassHolder {
   // decode tokens a thread needs before run gives each thread a share of the sequences
   // (each thread then reads every weight itself); 0: never
   int64_t min_rows_per_thread;
+  // pieces handed from one thread to another, over all calls
+  mutable std::atomic<int64_t> handovers{0};
   std::vector<Layer> layers;
   std::vector<BoundLinear> linears;  // qkv, o, gate_up, down of each layer in turn
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm;
@@ -131,20 +248,49 @@ struct DecodeLayers : torch::CustomClassHolder {
       return run_rows(h, cos, sin, kv_caches, slot_mapping, block_tables, seq_lens);
     }
     // One contiguous share of the sequences a thread, every layer of it on that thread
-    // (the ops, called inside the parallel region, run on their caller's thread alone).
-    std::vector<at::Tensor> shares(threads);
+    // (the ops, called inside the parallel region, run on their caller's thread alone),
+    // and then the pieces other threads hand over.
+    RowPieces pieces;
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t share = begin; share < end; ++share) {
         const int64_t first = tokens * share / threads;
         const int64_t count = tokens * (share + 1) / threads - first;
-        shares[share] = run_rows(h.narrow(0, first, count), cos.narrow(0, first, count),
-                                 sin.narrow(0, first, count), kv_caches,
-                                 slot_mapping.narrow(0, first, count),
-                                 block_tables.narrow(0, first, count),
-                                 seq_lens.narrow(0, first, count));
+        RowPiece piece{first, count, 0, h.narrow(0, first, count),
+                       cos.narrow(0, first, count), sin.narrow(0, first, count),
+                       slot_mapping.narrow(0, first, count),
+                       block_tables.narrow(0, first, count), seq_lens.narrow(0, first, count)};
+        pieces.start();
+        do {
+          try {
+            run_piece(piece, kv_caches, pieces);
+          } catch (...) {
+            pieces.leave();
+            throw;
+          }
+        } while (pieces.next(piece));
       }
     });
-    return at::cat(shares);
+    handovers += pieces.handovers();
+    return pieces.gather(h);
+  }
+
+  // How many pieces threads have handed over, over every call so far.
+  int64_t handover_count() const { return handovers.load(); }
+
+  // piece's rows from its layer through the last (then pieces.finished); at each layer
+  // boundary, the second half of them to a thread that waits for rows, where worth it.
+  void run_piece(RowPiece& piece, const std::vector<at::Tensor>& kv_caches,
+                 RowPieces& pieces) const {
+    const int64_t last = static_cast<int64_t>(layers.size());
+    for (; piece.layer < last; ++piece.layer) {
+      if (pieces.wanted() && piece.count >= kMinRowsToHandOver &&
+          last - piece.layer >= kMinLayersToHandOver) {
+        pieces.offer(piece);
+      }
+      piece.h = run_layer(piece.layer, piece.h, piece.cos, piece.sin, kv_caches,
+                          piece.slot_mapping, piece.block_tables, piece.seq_lens);
+    }
+    pieces.finished(piece);
   }
 
   // run's layers for the rows of h, each a decode token with its sequence's row of
@@ -152,25 +298,32 @@ struct DecodeLayers : torch::CustomClassHolder {
   at::Tensor run_rows(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
                       const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens) const {
-    const int64_t tokens = h.size(0), q_size = num_heads * head_dim;
-    for (size_t i = 0; i < layers.size(); ++i) {
-      const Layer& layer = layers[i];
-      const BoundLinear* proj = linears.data() + 4 * i;
-      const at::Tensor key_cache = kv_caches[i].select(0, 0);
-      const at::Tensor value_cache = kv_caches[i].select(0, 1);
-      const at::Tensor qkv = proj[0](rms_norm.call(h, layer.input_norm, eps), c10::nullopt);
-      rotary_store_kv.call(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads,
-                           num_kv_heads);
-      const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
-      const at::Tensor attended = decode_attention.call(q, key_cache, value_cache,
-                                                        block_tables, seq_lens, scale,
-                                                        window);
-      h = proj[1](attended.view({tokens, q_size}), h);
-      at::Tensor gated = proj[2](rms_norm.call(h, layer.post_norm, eps), c10::nullopt);
-      if (layer.gate_after) gated = silu_and_mul.call(gated);
-      h = proj[3](gated, h);
+    for (int64_t i = 0; i < static_cast<int64_t>(layers.size()); ++i) {
+      h = run_layer(i, h, cos, sin, kv_caches, slot_mapping, block_tables, seq_lens);
     }
     return h;
+  }
+
+  // Layer i for the rows of h (as run_rows).
+  at::Tensor run_layer(int64_t i, const at::Tensor& h, const at::Tensor& cos,
+                       const at::Tensor& sin, const std::vector<at::Tensor>& kv_caches,
+                       const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                       const at::Tensor& seq_lens) const {
+    const int64_t tokens = h.size(0), q_size = num_heads * head_dim;
+    const Layer& layer = layers[i];
+    const BoundLinear* proj = linears.data() + 4 * i;
+    const at::Tensor key_cache = kv_caches[i].select(0, 0);
+    const at::Tensor value_cache = kv_caches[i].select(0, 1);
+    const at::Tensor qkv = proj[0](rms_norm.call(h, layer.input_norm, eps), c10::nullopt);
+    rotary_store_kv.call(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads,
+                         num_kv_heads);
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
+    const at::Tensor attended = decode_attention.call(q, key_cache, value_cache, block_tables,
+                                                      seq_lens, scale, window);
+    const at::Tensor attended_h = proj[1](attended.view({tokens, q_size}), h);
+    at::Tensor gated = proj[2](rms_norm.call(attended_h, layer.post_norm, eps), c10::nullopt);
+    if (layer.gate_after) gated = silu_and_mul.call(gated);
+    return proj[3](gated, attended_h);
   }
 };
 
@@ -181,5 +334,6 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
       .def(torch::init<double, int64_t, int64_t, int64_t, double, int64_t, int64_t>())
       .def("add_layer", &DecodeLayers::add_layer)
       .def("add_linear", &DecodeLayers::add_linear)
-      .def("run", &DecodeLayers::run);
+      .def("run", &DecodeLayers::run)
+      .def("handover_count", &DecodeLayers::handover_count);
 }
