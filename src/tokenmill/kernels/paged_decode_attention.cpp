@@ -709,11 +709,9 @@ inline void score_int8_keys(const int8_t* const (&keys)[kIntegerKeys], const int
                      _mm512_mul_ps(dots, _mm512_mul_ps(key_scales16, _mm512_set1_ps(scale))));
   }
 }
-
 #else
 constexpr bool kIntegerScores = false;
 #endif
-
 
 // AddValues8 with 16-lane registers: kDimsPerPass dimensions of NH query heads per pass.
 struct AddValues16 {
