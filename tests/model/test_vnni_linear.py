@@ -1,6 +1,7 @@
 """The native integer-activation kernels of a CPU with AVX512-VNNI (``tokenmill.kernels``):
 int8 or 4-bit weights times activations (bfloat16 or float32) quantized to int8 per block
-of 32 inputs, against float64 arithmetic on the values both stand for."""
+of inputs (``activation_block``), against float64 arithmetic on the values both stand
+for."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 from tokenmill.kernels.linear import NativeVnniW4A8Weight, NativeW8A8Weight
 from tokenmill.kernels.quantize import quantize_int8_rows, quantize_q4_1_groups
 
-GROUP = 32  # inputs per 4-bit weight scale and minimum, and per activation scale
+GROUP = 32  # inputs per 4-bit weight scale and minimum, and per activation scale of w4a8
+WIDE_BLOCK = 64  # inputs per activation scale of w8a8, where they divide a row
 CENTRE = 8  # the 4-bit value whose part of a weight does not see x rounded
 KINDS = (NativeW8A8Weight, NativeVnniW4A8Weight)
 DTYPES = (torch.bfloat16, torch.float32)
@@ -33,6 +35,12 @@ def weight_values(kind: type, weight: torch.Tensor) -> torch.Tensor:
             + mins.double().repeat_interleave(GROUP, 1))
 
 
+def activation_block(kind: type, in_features: int) -> int:
+    """The inputs that share one activation scale: w8a8 takes 64 where they divide a row."""
+    wide = kind is NativeW8A8Weight and in_features % WIDE_BLOCK == 0
+    return WIDE_BLOCK if wide else GROUP
+
+
 def expected(kind: type, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor,
                                                                          torch.Tensor]:
     """(the product the kernel computes, in float64; how far a rounding of x that falls on
@@ -40,7 +48,7 @@ def expected(kind: type, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.T
     ``scale * (q - 8) + (min + 8 * scale)`` and the second part times the exact sum of x,
     so only the centred part sees x rounded."""
     m, k = x.shape
-    blocks = x.float().view(m, -1, GROUP)
+    blocks = x.float().view(m, -1, activation_block(kind, k))
     amax = blocks.abs().amax(-1, keepdim=True)
     scaled = blocks * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
     d = (amax / 127).double()
@@ -71,7 +79,7 @@ def assert_matches(actual: torch.Tensor, kind: type, x: torch.Tensor, weight: to
 
 
 # rows: 1 and 6 (one chunk of rows), 7 and 130 (several chunks); outputs not a multiple of
-# the 32-wide panel (nor of 16)
+# the 32-wide panel (nor of 16); inputs 64 (w8a8: one block of 64), 96 and 32 (blocks of 32)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 6, 7, 130])
@@ -83,7 +91,7 @@ def test_vnni_kernels_match_exact_arithmetic_on_quantized_values(ops, kind, dtyp
     bias = torch.randn(out_features, generator=gen).to(dtype)
     packed = kind(ops, weight, bias)
     x = torch.randn(rows, 2 * in_features, generator=gen).to(dtype)[:, in_features:]
-    x[0, :GROUP] = 0  # a block of zeros has no scale
+    x[0, :activation_block(kind, in_features)] = 0  # a block of zeros has no scale
     residual = torch.randn(rows, out_features, generator=gen).to(dtype)
     assert_matches(packed(x), kind, x, weight, bias)
     assert_matches(packed.add(x, residual), kind, x, weight, bias.double() + residual.double())

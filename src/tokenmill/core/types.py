@@ -16,6 +16,7 @@ from tokenmill.core.records import (
     RequestCounters,
     RequestEvent,
     SchedulerStats,
+    pickled_by_fields,
 )
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.matcher import RequestGrammar
@@ -63,6 +64,7 @@ class SchedulerOutput:
         return not self.requests
 
 
+@pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
     token_id: int
@@ -81,6 +83,7 @@ class ModelRunnerOutput:
     forward_time: float = 0.0
 
 
+@pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class EngineCoreOutput:
     """What changed for one request in one step (new tokens and/or finished)."""
@@ -99,6 +102,7 @@ class EngineCoreOutput:
         return self.finish_reason is not None
 
 
+@pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class EngineCoreOutputs:
     outputs: tuple[EngineCoreOutput, ...]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.core.records import FinishReason, SchedulerStats
+from tokenmill.core.records import FinishReason, SchedulerStats, pickled_by_fields
 from tokenmill.core.types import EngineCoreOutputs
 
 
@@ -27,6 +27,7 @@ class Abort:
     reason: FinishReason
 
 
+@pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class StepReport:
     """One engine step's outputs, or the idle publication after the last one."""
@@ -36,6 +37,7 @@ class StepReport:
     failed: bool | None  # the step failed; None: no step ran (the idle publication)
 
 
+@pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class QueueState:
     """The scheduler's gauges once a step has scheduled (sent before its forward pass)."""

@@ -38,7 +38,8 @@ class KernelCapabilities:
     multiplied as integers (AVX2, FMA and F16C)."""
     vnni_linear: bool
     """int8 or 4-bit weights times bfloat16 or float32 activations quantized to int8 per
-    block of 32 inputs, multiplied as integers (AVX512-VNNI)."""
+    block of inputs (int8 weights: 64, or 32 where 64 do not divide them; 4-bit: 32),
+    multiplied as integers (AVX512-VNNI)."""
     prefill_attention_head_dims: frozenset[int]
     """Head sizes of the causal prefill attention kernel, bfloat16 only (AVX512-BF16);
     empty without it."""

@@ -278,7 +278,8 @@ def _records(q: torch.Tensor) -> torch.Tensor:
 class NativeW8A8Weight(ScaledWeight):
     """int8 weights with one float32 scale per output row (``quantize_int8_rows``) for
     ``vnni_w8a8_linear``, which quantizes the activations (bfloat16 or float32) to int8 per
-    block of 32 inputs at every call and multiplies integers (AVX512-VNNI). Stored as
+    block of 64 inputs (32 where ``in`` is not a multiple of 64) at every call and
+    multiplies integers (AVX512-VNNI). Stored as
     ``q + 128`` (unsigned: the operand VPDPBUSD takes) in ``_records``' layout, ``[panels,
     K * 32]`` bytes; scales padded to the panels. Needs ``in % 32 == 0``."""
 

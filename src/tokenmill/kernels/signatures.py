@@ -147,5 +147,5 @@ class W8A8Linear(Protocol):
                  bias: Tensor | None, residual: Tensor | None) -> Tensor:
         """``FloatLinear`` over int8 weights times one float32 scale per output row
         (``linear.NativeW8A8Weight``'s layout), with ``x`` quantized to int8 per block of
-        32 inputs."""
+        64 inputs (32 where ``K`` is not a multiple of 64)."""
         ...

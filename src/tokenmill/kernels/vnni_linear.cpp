@@ -13,8 +13,9 @@
 // same 16 up outputs of a gated MLP (its gate/up rows interleaved in blocks of 16,
 // linear.interleave_gate_up) and the call returns silu(gate) * up [M, N / 2] from the
 // float32 outputs, rounded once. Activations: each
-// row of x is quantized per block of kBlock (32) inputs at every call, x~ = d * round(x /
-// d) with d = max|x| / 127 over the block (round to nearest even). Then
+// row of x is quantized per block of inputs at every call, x~ = d * round(x / d) with d =
+// max|x| / 127 over the block (round to nearest even); a block is 32 inputs for w4a8 (its
+// weights' groups), and for w8a8 64 where K is a multiple of 64 (else 32). Then
 //
 //   w8a8: y[m, n] = scale[n] * (sum over blocks b: d[m, b] * sum (q[n, k] + 128) xq[m, k]
 //                               - c[m]),   c[m] = 128 * sum over b: d[m, b] * sum xq[m, k]
@@ -81,7 +82,6 @@ using tokenmill::round_to_bf16;
 constexpr int64_t kPanel = 32;  // outputs per panel
 // inputs per activation scale and per w4a8 weight scale and minimum; K's multiple
 constexpr int64_t kBlock = 32;
-constexpr int64_t kRecords = kBlock / 4;  // of 4 inputs each, a block's
 constexpr int kMaxRows = 6;  // the largest of the weight kinds' kMaxRows
 
 int64_t panels_for(int64_t n) { return (n + kPanel - 1) / kPanel; }
@@ -124,10 +124,17 @@ struct QuantizedRows {
 // The weight kinds: what a row's block of activations carries (Acts), how a record becomes
 // the two registers of 16 outputs x 4 inputs that VPDPBUSD takes, and what a block's int32
 // sums add to the float32 ones.
-struct W8 {
-  struct Acts {
-    float d;  // the block's scale: NaN for a NaN or an infinity in it, 0 for zeros
-  };
+// int8 weights, activations rounded per block of BLOCK inputs: w8a8 takes 64 where K is a
+// multiple of it (half the blocks' float32 epilogues of 32, which share VPDPBUSD's
+// ports), else 32.
+struct W8Acts {
+  float d;  // the block's scale: NaN for a NaN or an infinity in it, 0 for zeros
+};
+
+template <int64_t BLOCK>
+struct W8Blocks {
+  static constexpr int64_t kBlock = BLOCK;
+  using Acts = W8Acts;
   static constexpr int64_t kRecordBytes = 128;
   static constexpr int kMaxRows = 6;  // 2 int32 and 2 float32 sums a row in registers
   static constexpr bool kPinSums = false;  // GCC keeps them in registers unasked
@@ -144,7 +151,12 @@ struct W8 {
   }
 };
 
+constexpr int64_t kWideBlock = 64;
+using W8 = W8Blocks<kWideBlock>;
+using W8Narrow = W8Blocks<kBlock>;
+
 struct W4 {
+  static constexpr int64_t kBlock = ::kBlock;
   using Acts = tokenmill::GroupActivations;
   static constexpr int64_t kRecordBytes = 64;
   static constexpr int kMaxRows = 4;  // and a block's scales and minimums
@@ -207,29 +219,37 @@ inline void unpack_panel(const uint8_t* src, int64_t k, uint8_t* dst) {
 
 // Whether W is the int8 kind (weights stored plus 128, c taking the 128s out).
 template <typename W>
-constexpr bool kInt8 = std::is_same_v<typename W::Acts, W8::Acts>;
+constexpr bool kInt8 = std::is_same_v<typename W::Acts, W8Acts>;
 
 // Row r of x, block by block: int8 values into xq, W's Acts per block into `acts` and (W8)
 // c into *c (QuantizedRows).
 template <typename W, typename T>
 void quantize_row(const T* x, int64_t k, int8_t* xq, typename W::Acts* acts, float* c) {
+  constexpr int kParts = W::kBlock / 16;
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   float c_sum = 0.f;
-  for (int64_t b = 0; b < k / kBlock; ++b) {
-    const __m512 lo = load_floats(x + b * kBlock, 16), hi = load_floats(x + b * kBlock + 16, 16);
-    const float amax = _mm512_reduce_max_ps(
-        _mm512_max_ps(_mm512_and_ps(lo, abs_mask), _mm512_and_ps(hi, abs_mask)));
-    const float sum = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+  for (int64_t b = 0; b < k / W::kBlock; ++b) {
+    __m512 v[kParts];
+    __m512 amax16 = _mm512_setzero_ps(), sum16 = _mm512_setzero_ps();
+    for (int i = 0; i < kParts; ++i) {
+      v[i] = load_floats(x + b * W::kBlock + 16 * i, 16);
+      amax16 = _mm512_max_ps(amax16, _mm512_and_ps(v[i], abs_mask));
+      sum16 = _mm512_add_ps(sum16, v[i]);
+    }
+    const float amax = _mm512_reduce_max_ps(amax16);
+    const float sum = _mm512_reduce_add_ps(sum16);
     const bool ok = finite(sum);  // a NaN or an infinity in the block makes its sum one
     const __m512 inv = _mm512_set1_ps(ok && amax > 0.f ? 127.f / amax : 0.f);
     // round to nearest even (the default rounding mode), |value| <= 127: no saturation
-    const __m512i q_lo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
-    const __m512i q_hi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock), _mm512_cvtepi32_epi8(q_lo));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock + 16),
-                     _mm512_cvtepi32_epi8(q_hi));
+    __m512i q_sum16 = _mm512_setzero_si512();
+    for (int i = 0; i < kParts; ++i) {
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * W::kBlock + 16 * i),
+                       _mm512_cvtepi32_epi8(q));
+      q_sum16 = _mm512_add_epi32(q_sum16, q);
+    }
     const float d = ok ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
-    const auto q_sum = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi)));
+    const auto q_sum = static_cast<float>(_mm512_reduce_add_epi32(q_sum16));
     if constexpr (kInt8<W>) {
       acts[b] = {d};
       c_sum += d * q_sum;
@@ -255,8 +275,9 @@ template <typename W, int ROWS>
 inline void panel_kernel(const QuantizedRows<typename W::Acts>& xr, int64_t row,
                          const uint8_t* panel, const uint16_t* params, NextPanel ahead,
                          __m512 (&acc)[kMaxRows][2]) {
+  constexpr int64_t kRecords = W::kBlock / 4;
   constexpr int64_t kBlockBytes = kRecords * W::kRecordBytes;
-  const int64_t k = xr.k, blocks = k / kBlock;
+  const int64_t k = xr.k, blocks = k / W::kBlock;
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int8_t* x = xr.xq + row * k;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -276,7 +297,7 @@ inline void panel_kernel(const QuantizedRows<typename W::Acts>& xr, int64_t row,
     for (int64_t i = 0; i < kRecords; ++i) {
       __m512i lo, hi;
       W::load(block + i * W::kRecordBytes, lo, hi);
-      const int8_t* xi = x + b * kBlock + 4 * i;
+      const int8_t* xi = x + b * W::kBlock + 4 * i;
       for (int r = 0; r < ROWS; ++r) {
         int32_t four;
         std::memcpy(&four, xi + r * k, sizeof(four));
@@ -387,7 +408,7 @@ template <typename W, typename T>
 void linear(const at::Tensor& x, const at::Tensor& packed, const float* scales,
             const uint16_t* params, const std::optional<at::Tensor>& bias,
             const std::optional<at::Tensor>& residual, bool gated, at::Tensor& out) {
-  const int64_t m = x.size(0), k = x.size(1), blocks = k / kBlock;
+  const int64_t m = x.size(0), k = x.size(1), blocks = k / W::kBlock;
   const int64_t n = gated ? 2 * out.size(1) : out.size(1);
   // One scratch allocation for the quantized rows: their blocks' Acts, c (float32), then
   // the int8 values.
@@ -427,7 +448,7 @@ void linear(const at::Tensor& x, const at::Tensor& packed, const float* scales,
                                  params ? reinterpret_cast<const char*>(
                                               params + next_p * panel_params)
                                         : nullptr,
-                                 kRecords * W::kRecordBytes};
+                                 W::kBlock / 4 * W::kRecordBytes};
       if constexpr (kWidens) {
         if (widen) {
           unpack_panel(panel, k, widened);
@@ -452,7 +473,7 @@ at::Tensor checked_linear(const at::Tensor& x, const at::Tensor& packed, const f
                   (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "x must be [M, K] bfloat16 or float32 with contiguous rows");
   const int64_t m = x.size(0), k = x.size(1), panels = panels_for(out_features);
-  TORCH_CHECK(k % kBlock == 0, "x must be [M, K] with K a multiple of ", kBlock);
+  TORCH_CHECK(k % W::kBlock == 0, "x must be [M, K] with K a multiple of ", W::kBlock);
   TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
                   packed.size(0) == panels && packed.size(1) == k / 4 * W::kRecordBytes,
               "packed must be ", layout, "'s packing of an [out_features, K] weight");
@@ -479,8 +500,10 @@ at::Tensor vnni_w8a8_linear(const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == panels_for(out_features) * kPanel &&
                   scales.is_contiguous() && scales.scalar_type() == at::kFloat,
               "scales must be [out_features padded to a multiple of ", kPanel, "] float32");
-  return checked_linear<W8>(x, packed, scales.data_ptr<float>(), nullptr, out_features, bias,
-                            residual, gated, "linear.NativeW8A8Weight");
+  const auto linear = x.dim() == 2 && x.size(1) % kWideBlock == 0 ? checked_linear<W8>
+                                                                  : checked_linear<W8Narrow>;
+  return linear(x, packed, scales.data_ptr<float>(), nullptr, out_features, bias, residual,
+                gated, "linear.NativeW8A8Weight");
 }
 
 at::Tensor vnni_w4a8_linear(const at::Tensor& x, const at::Tensor& packed,

@@ -28,8 +28,8 @@ and accuracy costs):
   The output head keeps 8-bit weights: w8a8's on VNNI, else int8 with float32 activations
   (native where the CPU has that kernel).
 - ``NativeW8A8Format``: ``--quantization w8a8`` (AVX512-VNNI): int8's weights times
-  activations quantized to int8 per block of 32 inputs at every call, multiplied as
-  integers, the output head too. No PyTorch form.
+  activations quantized to int8 per block of 64 inputs (32 where 64 do not divide a
+  row) at every call, multiplied as integers, the output head too. No PyTorch form.
 - ``GGUFFormat``: ``--quantization gguf``, a GGUF file's own values (``docs/gguf.md``):
   rows of Q8_0 and Q5_0, Q6_K and Q3_K (``gguf_blocks.INT8_GROUP_TYPES``) compute as int8
   with a scale per 32 or per 16 inputs in the native int8 kernel, rows of a type that
