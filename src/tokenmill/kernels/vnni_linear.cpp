@@ -260,13 +260,17 @@ void quantize_row(const T* x, int64_t k, int8_t* xq, typename W::Acts* acts, flo
   if constexpr (kInt8<W>) *c = 128.f * c_sum;
 }
 
-// The panel to request into cache while one is multiplied: its weights and (w4a8) its
-// group_params, or nulls for none. At a decode's few rows the arithmetic is short and a
-// panel's parameters are read from memory as late as its weights unless requested too.
+// The panel to request into cache while one is multiplied: bytes [begin, end) of its
+// weights and (w4a8) its group_params, or nulls for none. Each chunk of rows times the
+// panel requests its share of the next one's weights, spread over its blocks, so that
+// memory streams during all of the panel's arithmetic (not only its first chunk's, which
+// asked more of memory than a core gets at 32 rows and more). At a decode's few rows the
+// arithmetic is short and a panel's parameters are read from memory as late as its
+// weights unless requested too: the first chunk requests them.
 struct NextPanel {
   const char* weights;
   const char* params;
-  int64_t block_bytes;  // of its weights: a block's records as packed
+  int64_t begin, end;
 };
 
 // Rows [row, row + ROWS) of the call times one panel: acc[r][h] = outputs 16 h .. 16 h + 15
@@ -280,11 +284,14 @@ inline void panel_kernel(const QuantizedRows<typename W::Acts>& xr, int64_t row,
   const int64_t k = xr.k, blocks = k / W::kBlock;
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int8_t* x = xr.xq + row * k;
+  // whole cache lines of the next panel's weights a block requests
+  const int64_t span = ((ahead.end - ahead.begin + blocks - 1) / blocks + 63) / 64 * 64;
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = panel + b * kBlockBytes;
-    if (ahead.weights) {  // the next panel's same block, a cache line at a time
-      for (int64_t line = 0; line < ahead.block_bytes; line += 64) {
-        _mm_prefetch(ahead.weights + b * ahead.block_bytes + line, _MM_HINT_T1);
+    if (ahead.weights) {
+      const int64_t end = std::min(ahead.begin + (b + 1) * span, ahead.end);
+      for (int64_t line = ahead.begin + b * span; line < end; line += 64) {
+        _mm_prefetch(ahead.weights + line, _MM_HINT_T1);
       }
       if (ahead.params) {  // and its parameters of the block (2 x 32 float16: two lines)
         const char* group = ahead.params + b * 2 * kPanel * 2;
@@ -391,7 +398,8 @@ const T* data_of(const at::Tensor& t) {
 }
 
 // Rows 0 .. m of the call times panel p, in chunks of nearly equal sizes, at most
-// W::kMaxRows each; the first chunk requests `next` into cache.
+// W::kMaxRows each; each chunk requests its share of `next` into cache (whole cache lines),
+// the first one its parameters too.
 template <typename W, typename T>
 void rows_times_panel_in_chunks(const QuantizedRows<typename W::Acts>& xr, int64_t m,
                                 const uint8_t* panel, const uint16_t* params, NextPanel next,
@@ -399,7 +407,13 @@ void rows_times_panel_in_chunks(const QuantizedRows<typename W::Acts>& xr, int64
   const int64_t chunks = (m + W::kMaxRows - 1) / W::kMaxRows;
   for (int64_t c = 0, row = 0; c < chunks; ++c) {
     const int64_t rows = (m - row) / (chunks - c);
-    kRowsFns<W, T>[rows - 1](xr, row, panel, params, c == 0 ? next : NextPanel{}, p, o);
+    const auto line_at = [&](int64_t share) {
+      return share == chunks ? next.end : next.end * share / chunks / 64 * 64;
+    };
+    const NextPanel share = next.weights ? NextPanel{next.weights, c == 0 ? next.params : nullptr,
+                                                     line_at(c), line_at(c + 1)}
+                                         : NextPanel{};
+    kRowsFns<W, T>[rows - 1](xr, row, panel, params, share, p, o);
     row += rows;
   }
 }
@@ -448,7 +462,7 @@ void linear(const at::Tensor& x, const at::Tensor& packed, const float* scales,
                                  params ? reinterpret_cast<const char*>(
                                               params + next_p * panel_params)
                                         : nullptr,
-                                 W::kBlock / 4 * W::kRecordBytes};
+                                 0, panel_bytes};
       if constexpr (kWidens) {
         if (widen) {
           unpack_panel(panel, k, widened);
