@@ -13,10 +13,12 @@ Per level it prints the mean milliseconds per engine step of:
   tensors and attention plan), forward (the decoder layers' matmuls, the MLP's SiLU gate
   with them, attention over the cache, the RMSNorms (``RMSNorm`` layers; Qwen3's and Gemma
   3's per-head q/k norms count in the rest), the rest: rotary and the KV store, embedding,
-  residuals and the forward pass's own Python), decode layers (a step of decodes alone runs
-  every Llama-family layer in one native call, ``DecodeLayers``: its matmuls, attention
-  and norms are not split; ``--module-layers`` runs them layer module by layer module
-  instead, which splits them and costs the Python between them), the LM head
+  residuals and the forward pass's own Python), decode layers (a step runs every
+  Llama-family layer in one native call, ``DecodeLayers``, where its attention takes it: a
+  step of decodes alone, and one with prompt chunks where the native prefill attention
+  takes them; its matmuls, attention and norms are not split; ``--module-layers`` runs
+  every step layer module by layer module instead, which splits them and costs the
+  Python between them), the LM head
   (the output projection to the vocabulary), sampling (settings + sampler, log-probabilities
   included where the requests ask for them: ``--logprobs``), update (stop checks,
   outputs), other (the rest of ``EngineCore.step``: sending results, the queue state),
@@ -112,7 +114,8 @@ class Timers:
 
 
 class TimedDecodeLayers:
-    """A model's ``DecodeLayers``, its ``run`` a Python method (for ``Timers.wrap``)."""
+    """A model's ``DecodeLayers``, its ``run`` and ``run_mixed`` Python methods (for
+    ``Timers.wrap``)."""
 
     def __init__(self, stack) -> None:
         self.stack = stack
@@ -120,10 +123,13 @@ class TimedDecodeLayers:
     def run(self, *args):
         return self.stack.run(*args)
 
+    def run_mixed(self, *args):
+        return self.stack.run_mixed(*args)
+
 
 def instrument_engine(timers: Timers, module_layers: bool) -> None:
-    """Timers around the engine's parts; ``module_layers``: decodes run layer module by
-    layer module, not in one native call."""
+    """Timers around the engine's parts; ``module_layers``: every step runs layer module
+    by layer module, not in one native call."""
     timers.wrap(Scheduler, "schedule", "schedule")
     timers.wrap(Scheduler, "update_from_output", "update")
     timers.wrap(EngineCore, "step", "step")
@@ -139,6 +145,7 @@ def instrument_engine(timers: Timers, module_layers: bool) -> None:
         timers.wrap(attention, "__call__", "attention")  # after rotary and the store
     timers.wrap(PagedCausalLM, "forward", "forward")
     timers.wrap(TimedDecodeLayers, "run", "decode_layers")
+    timers.wrap(TimedDecodeLayers, "run_mixed", "decode_layers")
     pack = LlamaForCausalLM.pack
 
     def instrumented_pack(self) -> None:

@@ -1,7 +1,8 @@
 """``DecodeLayers``: a batch of decodes through every layer in one native call gives the
 logits and the KV cache the layer modules give, bit for bit, in every weight format this
-host runs, also where the call splits many sequences between its threads; models it cannot
-run take the modules."""
+host runs, also where the call splits many sequences between its threads, and so does a
+batch with prompt rows where the native prefill attention takes them; models it cannot run
+take the modules."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from paged_runner import PagedRunner
 from tiny_model import make_tiny_model_dir
 from tokenmill.errors import InvalidParameterError
 from tokenmill.hardware import resolve_dtype
+from tokenmill.models.attention_native import NativePrefill
 from tokenmill.models.llama import split_rows_per_thread
 from tokenmill.models.loader import load_model
 
@@ -65,6 +67,61 @@ def many_decode_steps(model, native: bool, streams: int, kv_int8: bool = False):
     finally:
         model.decode_layers = stack
     return logits, runner.kv_caches
+
+
+class CountingLayers:
+    """A model's ``decode_layers``, counting the batches with prompt rows it runs."""
+
+    def __init__(self, stack) -> None:
+        self.stack, self.mixed = stack, 0
+
+    def run(self, *args):
+        return self.stack.run(*args)
+
+    def run_mixed(self, *args):
+        self.mixed += 1
+        return self.stack.run_mixed(*args)
+
+
+def mixed_steps(model, native: bool, kv_int8: bool = False):
+    """Logits of batches with prompt rows (three prompts alone; then decodes of two
+    sequences beside a new prompt and the next chunk of an earlier one, whose first keys
+    are in the cache; then a decode beside that new prompt's second chunk) and of a batch of
+    decodes, with ``decode_layers`` on or off throughout; the KV caches at the end (8-bit
+    ones where ``kv_int8``); and how many batches with prompt rows the native call ran."""
+    stack = model.decode_layers
+    counting = CountingLayers(stack)
+    model.decode_layers = counting if native else None
+    runner = PagedRunner(model, block_size=4, kv_int8=kv_int8)
+    try:
+        logits = [runner.step([(0, list(range(30, 47))), (1, [5, 6, 7]), (2, list(range(60, 69)))]),
+                  runner.step([(0, [100]), (1, [200]), (3, list(range(10, 22))),
+                               (2, list(range(70, 75)))]),
+                  runner.step([(3, [40, 41, 42]), (0, [101])]),
+                  runner.step([(s, [120 + s]) for s in range(4)])]
+    finally:
+        model.decode_layers = stack
+    return logits, runner.kv_caches, counting.mixed
+
+
+@pytest.mark.parametrize("kv_int8", [False, True])
+@pytest.mark.parametrize("quantization", ["none", "w8a8"])
+def test_batches_with_prompt_rows_through_one_native_call_equal_the_layer_modules(
+        tmp_path, native, quantization, kv_int8):
+    """Where the native prefill attention takes prompt rows (heads of 64 here; AVX512-BF16,
+    no AMX), the three batches with prompt rows run in one native call each; elsewhere
+    they take the modules. Either way the logits and caches are the modules' bit for bit."""
+    model_dir = make_tiny_model_dir(tmp_path, hidden_size=128, num_attention_heads=2,
+                                    num_key_value_heads=1)
+    model = load(model_dir, quantization, native)
+    native_logits, native_caches, mixed = mixed_steps(model, True, kv_int8)
+    module_logits, module_caches, _ = mixed_steps(model, False, kv_int8)
+    assert mixed == (3 if isinstance(model.attentions[0].prefill, NativePrefill) else 0)
+    assert native_caches[0].dtype == (torch.int8 if kv_int8 else module_caches[0].dtype)
+    for ours, theirs in zip(native_logits, module_logits, strict=True):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(native_caches, module_caches, strict=True):
+        assert torch.equal(ours, theirs)
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral", "phi3"])

@@ -27,6 +27,12 @@
 // with their hidden states, and each goes on from that layer (RowPieces). A speculative
 // verification's rows attend to each other's new keys and values, stored within the same
 // layer: they are never split.
+//
+// A batch with prompt tokens (run_mixed) takes the ops the layer modules call for it,
+// NativeAttention's: the decode rows' attention on their own rows (index_select, then
+// index_copy into the output) and one prefill attention call for the prompt rows (from an
+// 8-bit cache, over the blocks the prompts' tables name, dequantized). Its rows never split
+// between threads; each op spreads over them.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -35,6 +41,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -64,6 +71,9 @@ c10::OperatorHandle find_op(const std::string& qualified_name) {
   TORCH_CHECK(handle.has_value(), "no op named ", qualified_name);
   return *handle;
 }
+
+// A layer's attention: (q [T, heads, D], the layer's KV cache [2, ...]) -> [T, heads * D].
+using Attend = std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>;
 
 // Rows [first, first + count) of a split call's batch at layer `layer`: their hidden states
 // h entering it, and the rows' own rotary tables, slots, block tables and context lengths.
@@ -197,6 +207,13 @@ struct DecodeLayers : torch::CustomClassHolder {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const at::Tensor&, const at::Tensor&, double, int64_t)>
       decode_attention;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, at::ScalarType)>
+      dequantize_kv_blocks;
+  // (only in builds for CPUs with AVX512-BF16)
+  c10::optional<c10::TypedOperatorHandle<void(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      const at::Tensor&, const at::Tensor&, double, at::Tensor)>>
+      prefill_attention;
 
   DecodeLayers(double eps_, int64_t num_heads_, int64_t num_kv_heads_, int64_t head_dim_,
                double scale_, int64_t window_, int64_t min_rows_per_thread_)
@@ -212,7 +229,19 @@ struct DecodeLayers : torch::CustomClassHolder {
         decode_attention(find_op("tokenmill::paged_decode_attention")
                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
                                                const at::Tensor&, const at::Tensor&,
-                                               const at::Tensor&, double, int64_t)>()) {}
+                                               const at::Tensor&, double, int64_t)>()),
+        dequantize_kv_blocks(
+            find_op("tokenmill::dequantize_kv_blocks")
+                .typed<at::Tensor(const at::Tensor&, const at::Tensor&, at::ScalarType)>()) {
+    const auto prefill =
+        c10::Dispatcher::singleton().findOp({"tokenmill::paged_prefill_attention", ""});
+    if (prefill.has_value()) {
+      prefill_attention = prefill->typed<void(const at::Tensor&, const at::Tensor&,
+                                              const at::Tensor&, const at::Tensor&,
+                                              const at::Tensor&, const at::Tensor&, double,
+                                              at::Tensor)>();
+    }
+  }
 
   // The next layer's norms' weights and whether silu_and_mul follows its gate/up
   // projection; its projections follow by add_linear, four of them.
@@ -288,7 +317,7 @@ struct DecodeLayers : torch::CustomClassHolder {
         pieces.offer(piece);
       }
       piece.h = run_layer(piece.layer, piece.h, piece.cos, piece.sin, kv_caches,
-                          piece.slot_mapping, piece.block_tables, piece.seq_lens);
+                          piece.slot_mapping, decodes(piece.block_tables, piece.seq_lens));
     }
     pieces.finished(piece);
   }
@@ -298,17 +327,74 @@ struct DecodeLayers : torch::CustomClassHolder {
   at::Tensor run_rows(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
                       const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens) const {
+    return run_all(h, cos, sin, kv_caches, slot_mapping, decodes(block_tables, seq_lens));
+  }
+
+  // run's layers for a batch with prompt rows (rows, cos, sin, caches and slots as run_rows
+  // takes them): the decode rows are decode_rows (flat rows; none without decode rows), with
+  // their block tables and context lengths; the prompts', as NativePrefill plans them,
+  // prefill_tables with query_ranges ([start, end) of their rows) and context lengths,
+  // and for an 8-bit cache the blocks the tables name (ascending) and the tables renumbered
+  // into them.
+  at::Tensor run_mixed(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
+                       const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
+                       const c10::optional<at::Tensor>& decode_rows,
+                       const c10::optional<at::Tensor>& decode_tables,
+                       const c10::optional<at::Tensor>& decode_lens,
+                       const at::Tensor& prefill_tables, const at::Tensor& query_ranges,
+                       const at::Tensor& prefill_lens, const at::Tensor& blocks,
+                       const at::Tensor& renumbered) const {
+    TORCH_CHECK(kv_caches.size() == layers.size(), "one KV cache per layer");
+    TORCH_CHECK(prefill_attention.has_value(), "these kernels have no paged_prefill_attention");
+    TORCH_CHECK(decode_rows.has_value() == decode_tables.has_value() &&
+                    decode_rows.has_value() == decode_lens.has_value(),
+                "decode rows come with their block tables and context lengths");
+    const int64_t q_size = num_heads * head_dim;
+    const Attend attend = [&](const at::Tensor& q, const at::Tensor& kv_cache) {
+      at::Tensor out = at::empty({q.size(0), q_size}, q.options());
+      if (decode_rows.has_value()) {
+        const at::Tensor decoded =
+            decode_attention.call(q.index_select(0, *decode_rows), kv_cache.select(0, 0),
+                                  kv_cache.select(0, 1), *decode_tables, *decode_lens, scale,
+                                  window);
+        out.index_copy_(0, *decode_rows, decoded.view({decoded.size(0), q_size}));
+      }
+      const bool int8_cache = kv_cache.scalar_type() == at::kChar;
+      const at::Tensor read =
+          int8_cache ? dequantize_kv_blocks.call(kv_cache, blocks, q.scalar_type()) : kv_cache;
+      prefill_attention->call(q, read.select(0, 0), read.select(0, 1),
+                              int8_cache ? renumbered : prefill_tables, query_ranges,
+                              prefill_lens, scale, out);
+      return out;
+    };
+    return run_all(h, cos, sin, kv_caches, slot_mapping, attend);
+  }
+
+  // Every layer for the rows of h, attention by `attend`.
+  at::Tensor run_all(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
+                     const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
+                     const Attend& attend) const {
     for (int64_t i = 0; i < static_cast<int64_t>(layers.size()); ++i) {
-      h = run_layer(i, h, cos, sin, kv_caches, slot_mapping, block_tables, seq_lens);
+      h = run_layer(i, h, cos, sin, kv_caches, slot_mapping, attend);
     }
     return h;
   }
 
-  // Layer i for the rows of h (as run_rows).
+  // The attention of rows that are each a decode token (of its own sequence, or of a
+  // speculative verification's), with its row of block_tables and its context length.
+  Attend decodes(const at::Tensor& block_tables, const at::Tensor& seq_lens) const {
+    return [this, &block_tables, &seq_lens](const at::Tensor& q, const at::Tensor& kv_cache) {
+      const at::Tensor out = decode_attention.call(q, kv_cache.select(0, 0),
+                                                   kv_cache.select(0, 1), block_tables,
+                                                   seq_lens, scale, window);
+      return out.view({q.size(0), num_heads * head_dim});
+    };
+  }
+
+  // Layer i for the rows of h (as run_rows), attention by `attend`.
   at::Tensor run_layer(int64_t i, const at::Tensor& h, const at::Tensor& cos,
                        const at::Tensor& sin, const std::vector<at::Tensor>& kv_caches,
-                       const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                       const at::Tensor& seq_lens) const {
+                       const at::Tensor& slot_mapping, const Attend& attend) const {
     const int64_t tokens = h.size(0), q_size = num_heads * head_dim;
     const Layer& layer = layers[i];
     const BoundLinear* proj = linears.data() + 4 * i;
@@ -318,9 +404,7 @@ struct DecodeLayers : torch::CustomClassHolder {
     rotary_store_kv.call(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads,
                          num_kv_heads);
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
-    const at::Tensor attended = decode_attention.call(q, key_cache, value_cache, block_tables,
-                                                      seq_lens, scale, window);
-    const at::Tensor attended_h = proj[1](attended.view({tokens, q_size}), h);
+    const at::Tensor attended_h = proj[1](attend(q, kv_caches[i]), h);
     at::Tensor gated = proj[2](rms_norm.call(attended_h, layer.post_norm, eps), c10::nullopt);
     if (layer.gate_after) gated = silu_and_mul.call(gated);
     return proj[3](gated, attended_h);
@@ -335,5 +419,6 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
       .def("add_layer", &DecodeLayers::add_layer)
       .def("add_linear", &DecodeLayers::add_linear)
       .def("run", &DecodeLayers::run)
+      .def("run_mixed", &DecodeLayers::run_mixed)
       .def("handover_count", &DecodeLayers::handover_count);
 }

@@ -15,7 +15,7 @@ from torch import nn
 from tokenmill.kernels import KernelCapabilities
 from tokenmill.kernels.linear import KernelWeight
 from tokenmill.models.attention import AttentionBackend, AttentionPlan
-from tokenmill.models.attention_native import NativeAttention
+from tokenmill.models.attention_native import NativeAttention, NativePrefillPlan
 from tokenmill.models.causal_lm import PagedCausalLM
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.layer_ops import TORCH_LAYER_OPS, LayerOps
@@ -109,9 +109,9 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(PagedCausalLM):
     """Llama / Qwen2 / Qwen3 / Mistral / Phi-3 causal LM over a paged KV cache (see
     ``PagedCausalLM``). After ``pack``, ``decode_layers`` (where ``native_decode_layers``
-    builds it) runs a batch of decodes alone through every layer in one native call;
-    setting it to None runs them layer module by layer module (the same ops, the same
-    outputs)."""
+    builds it) runs a batch of decodes alone through every layer in one native call, and a
+    batch with prompt tokens too where the native prefill attention takes them; setting it
+    to None runs them layer module by layer module (the same ops, the same outputs)."""
 
     model_class = LlamaModel
     decode_layers = None
@@ -129,6 +129,13 @@ class LlamaForCausalLM(PagedCausalLM):
             return self.decode_layers.run(h, cos, sin, kv_caches, shared.slot_mapping,
                                           shared.decode.block_tables, shared.decode.seq_lens,
                                           shared.decodes_one_per_sequence)
+        if self.decode_layers is not None and isinstance(shared.prefill, NativePrefillPlan):
+            decode, prefill = shared.decode, shared.prefill
+            return self.decode_layers.run_mixed(
+                h, cos, sin, kv_caches, shared.slot_mapping, shared.decode_token_idx,
+                None if decode is None else decode.block_tables,
+                None if decode is None else decode.seq_lens, prefill.block_tables,
+                prefill.query_ranges, prefill.seq_lens, prefill.blocks, prefill.renumbered)
         for layer, kv_cache, plan in zip(self.model.layers, kv_caches, plans, strict=True):
             h = layer(h, cos, sin, kv_cache, plan)
         return h
