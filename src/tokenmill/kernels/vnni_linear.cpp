@@ -80,7 +80,8 @@ using tokenmill::load_bf16;
 using tokenmill::round_to_bf16;
 
 constexpr int64_t kPanel = 32;  // outputs per panel
-// inputs per activation scale and per w4a8 weight scale and minimum; K's multiple
+// inputs per w4a8 weight scale and minimum and per activation scale (w8a8's where 64 do
+// not divide K); every K's multiple
 constexpr int64_t kBlock = 32;
 constexpr int kMaxRows = 6;  // the largest of the weight kinds' kMaxRows
 
@@ -124,13 +125,13 @@ struct QuantizedRows {
 // The weight kinds: what a row's block of activations carries (Acts), how a record becomes
 // the two registers of 16 outputs x 4 inputs that VPDPBUSD takes, and what a block's int32
 // sums add to the float32 ones.
-// int8 weights, activations rounded per block of BLOCK inputs: w8a8 takes 64 where K is a
-// multiple of it (half the blocks' float32 epilogues of 32, which share VPDPBUSD's
-// ports), else 32.
 struct W8Acts {
   float d;  // the block's scale: NaN for a NaN or an infinity in it, 0 for zeros
 };
 
+// int8 weights, activations rounded per block of BLOCK inputs: w8a8 takes 64 where K is a
+// multiple of it (half the blocks' float32 epilogues of 32, which share VPDPBUSD's
+// ports), else 32.
 template <int64_t BLOCK>
 struct W8Blocks {
   static constexpr int64_t kBlock = BLOCK;
