@@ -269,8 +269,7 @@ struct DecodeLayers : torch::CustomClassHolder {
                  const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
                  bool one_per_sequence) const {
-    TORCH_CHECK(linears.size() == 4 * layers.size(), "a layer lacks its projections");
-    TORCH_CHECK(kv_caches.size() == layers.size(), "one KV cache per layer");
+    check_stack(kv_caches);
     const int64_t tokens = h.size(0), threads = at::get_num_threads();
     if (!one_per_sequence || min_rows_per_thread == 0 || threads < 2 ||
         tokens < min_rows_per_thread * threads || at::in_parallel_region()) {
@@ -344,7 +343,7 @@ struct DecodeLayers : torch::CustomClassHolder {
                        const at::Tensor& prefill_tables, const at::Tensor& query_ranges,
                        const at::Tensor& prefill_lens, const at::Tensor& blocks,
                        const at::Tensor& renumbered) const {
-    TORCH_CHECK(kv_caches.size() == layers.size(), "one KV cache per layer");
+    check_stack(kv_caches);
     TORCH_CHECK(prefill_attention.has_value(), "these kernels have no paged_prefill_attention");
     TORCH_CHECK(decode_rows.has_value() == decode_tables.has_value() &&
                     decode_rows.has_value() == decode_lens.has_value(),
@@ -368,6 +367,12 @@ struct DecodeLayers : torch::CustomClassHolder {
       return out;
     };
     return run_all(h, cos, sin, kv_caches, slot_mapping, attend);
+  }
+
+  // Every layer has its four projections, and kv_caches one cache a layer.
+  void check_stack(const std::vector<at::Tensor>& kv_caches) const {
+    TORCH_CHECK(linears.size() == 4 * layers.size(), "a layer lacks its projections");
+    TORCH_CHECK(kv_caches.size() == layers.size(), "one KV cache per layer");
   }
 
   // Every layer for the rows of h, attention by `attend`.
