@@ -105,6 +105,8 @@ def test_threads_short_of_cpu_time_drop_to_what_they_get_and_grow_back_when_cpus
     host = FakeHost()
     host.cpus_got = 1.0  # two threads, one CPU's worth: a busy neighbour
     host.run(WINDOW_S)
+    assert host.counts == []  # one window may be a burst
+    host.run(WINDOW_S)
     assert host.counts == [1]
     host.run(10)  # one thread at its full CPU, nothing idle: stays
     assert host.counts == [1]
@@ -116,10 +118,23 @@ def test_threads_short_of_cpu_time_drop_to_what_they_get_and_grow_back_when_cpus
     assert host.counts == [1, 2]
 
 
+def test_one_short_window_at_a_time_changes_nothing() -> None:
+    host = FakeHost()
+    for _ in range(20):  # bursts of other work: a short window, then a full one
+        host.cpus_got = 1.3
+        host.run(WINDOW_S)
+        host.cpus_got = 1.9
+        host.run(WINDOW_S)
+    assert host.counts == []
+    host.cpus_got = 1.3  # then short for good
+    host.run(2 * WINDOW_S)
+    assert host.counts == [1]
+
+
 def test_a_thread_added_and_taken_back_waits_longer_each_time() -> None:
     host = FakeHost()
     host.cpus_got = 1.0
-    host.run(WINDOW_S)
+    host.run(2 * WINDOW_S)
     host.idle_cpus = 0.6  # idle, but a second thread would not get it
     grown_at = []
     for _ in range(320):  # 40 s
