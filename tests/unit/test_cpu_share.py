@@ -126,8 +126,12 @@ def test_one_short_window_at_a_time_changes_nothing() -> None:
         host.cpus_got = 1.9
         host.run(WINDOW_S)
     assert host.counts == []
-    host.cpus_got = 1.3  # then short for good
-    host.run(2 * WINDOW_S)
+    host.cpus_got = 1.3
+    host.run(WINDOW_S)
+    host.now += 2 * WINDOW_S  # a pause: the next short window is not the one after this
+    host.run(WINDOW_S)
+    assert host.counts == []
+    host.run(WINDOW_S)  # short for good
     assert host.counts == [1]
 
 

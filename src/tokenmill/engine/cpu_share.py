@@ -137,11 +137,11 @@ class ThreadShare:
     the next two windows doubles the wait before the next try (``FIRST_BACKOFF_S`` up to
     ``MAX_BACKOFF_S``). One short window alone changes nothing: the server's own HTTP
     process and other bursty work take a CPU for moments (with 64 streams and the load
-    generator on the same two cores, two threads dip to about 1.3 to 1.6 CPUs in a window
-    now and then, and get 1.7 to 1.97 in the next), where busy neighbours take it for
-    good. A pause between steps longer than a
-    window starts a new window: only stepping is judged. ``set_threads`` is called with
-    each new count, from the thread that steps.
+    generator on the same two cores, two threads dip to 1.26 to 1.62 CPUs in a window now
+    and then, and get 1.7 to 1.97 in the next), where busy neighbours take it for good. A
+    pause between steps longer than a window starts a new window (and breaks a row of
+    short ones): only stepping is judged. ``set_threads`` is called with each new count,
+    from the thread that steps.
     """
 
     def __init__(self, threads: int, set_threads: Callable[[int], None], *,
@@ -165,7 +165,10 @@ class ThreadShare:
     def stepping(self) -> Iterator[None]:
         """Times one step; at the end of a window, changes the thread count if it should."""
         start, cpu_start = self._clock(), self._cpu_clock()
-        if self._window is None or start - self._last_step_end > WINDOW_S:
+        paused = start - self._last_step_end > WINDOW_S
+        if paused:
+            self._short = False  # windows a pause apart are not in a row
+        if self._window is None or paused:
             self._window = _Window(start, self._idle(self._allowed()))
         try:
             yield
