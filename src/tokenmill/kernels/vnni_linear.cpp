@@ -302,6 +302,7 @@ inline void panel_kernel(const QuantizedRows<typename W::Acts>& xr, int64_t row,
     }
     __m512i sums[kMaxRows][2];
     for (int r = 0; r < ROWS; ++r) sums[r][0] = sums[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 16
     for (int64_t i = 0; i < kRecords; ++i) {
       __m512i lo, hi;
       W::load(block + i * W::kRecordBytes, lo, hi);
