@@ -53,7 +53,7 @@ from tokenmill.bench.counting import count_record
 from tokenmill.bench.loadgen import drive
 from tokenmill.bench.prompts import SyntheticPrompts
 from tokenmill.bench.records import RawResponse
-from tokenmill.bench.runner import resolve_model
+from tokenmill.bench.runner import open_client, resolve_model
 from tokenmill.bench.stats import summarize
 from tokenmill.bench.stream import Endpoint, send
 from tokenmill.bench.tokenizers import ServerTokenCounter
@@ -120,9 +120,7 @@ def wait_ready(server: subprocess.Popen, base_url: str, log) -> str:
 async def stream_run(config: BenchConfig, stream_options: dict) -> Summary:
     """``run_benchmark`` with ``stream_options`` fixed (it would always ask for continuous
     usage): same prompts, load loop, stream reader, counting and summary."""
-    timeout = httpx.Timeout(config.timeout, connect=10.0)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with open_client(config.timeout) as client:
         model = await resolve_model(client, config, {})
         counter = await ServerTokenCounter.probe(client, config.base_url, model, {})
         if counter is None:

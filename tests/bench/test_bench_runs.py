@@ -106,7 +106,7 @@ def test_duration_run_cuts_requests_off_and_counts_their_tokens(standin, tmp_pat
 
 
 @pytest.mark.parametrize("fail, error", [("error@4", "error event: stand-in failed mid-stream"),
-                                         ("drop@4", "RemoteProtocolError"),
+                                         ("drop@4", "Response payload is not completed"),
                                          ("http500", "HTTP 500: stand-in refuses")])
 def test_failures_keep_partial_tokens_and_their_error(standin, tmp_path, fail, error):
     _, root = standin

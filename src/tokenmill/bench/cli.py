@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 from collections.abc import Callable
@@ -126,9 +125,6 @@ def run_command(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     _check_outputs(args)
-    # NOTE: httpx logs every request at INFO, which would bury the report under a main
-    # CLI that configures logging at INFO.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     result = asyncio.run(run_benchmark(config))
     data = result.to_json()
     print_report(data, Console())

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
 import time
 
-import httpx
+import aiohttp
 
 from tokenmill.bench.config import BenchConfig, BenchSetupError
 from tokenmill.bench.counting import count_record
@@ -30,7 +31,13 @@ from tokenmill.bench.prompts import DatasetPrompts, Prompt, SyntheticPrompts, lo
 from tokenmill.bench.records import CountingMethod, RawResponse, Status
 from tokenmill.bench.results import BenchResult
 from tokenmill.bench.stats import summarize
-from tokenmill.bench.stream import STREAM_OPTIONS_CHOICES, Endpoint, error_message, send
+from tokenmill.bench.stream import (
+    REQUEST_ERRORS,
+    STREAM_OPTIONS_CHOICES,
+    Endpoint,
+    error_message,
+    send,
+)
 from tokenmill.bench.tokenizers import (
     LocalTokenCounter,
     ServerTokenCounter,
@@ -47,9 +54,7 @@ async def run_benchmark(config: BenchConfig) -> BenchResult:
     entries = load_dataset(config.dataset) if config.dataset else None
     local = LocalTokenCounter(config.tokenizer) if config.tokenizer else None
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    timeout = httpx.Timeout(config.timeout, connect=min(config.timeout, CONNECT_TIMEOUT_S))
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with open_client(config.timeout) as client:
         model = await resolve_model(client, config, headers)
         counter: TokenCounter = (
             await ServerTokenCounter.probe(client, config.base_url, model, headers)
@@ -82,26 +87,38 @@ async def run_benchmark(config: BenchConfig) -> BenchResult:
     return BenchResult(info, summary, _notes(info, summary.counting_methods), records)
 
 
-async def resolve_model(client: httpx.AsyncClient, config: BenchConfig,
+def open_client(timeout_s: float) -> aiohttp.ClientSession:
+    """The HTTP client of a run (``async with``): no cap on connections; ``timeout_s`` for
+    a connection (at most ``CONNECT_TIMEOUT_S``) and for each read, none for a whole
+    response. aiohttp parses HTTP in C: the load generator shares the cores with the
+    server it measures, and at a thousand chunks a second its own CPU time shows in the
+    server's figures."""
+    timeout = aiohttp.ClientTimeout(total=None, connect=min(timeout_s, CONNECT_TIMEOUT_S),
+                                    sock_read=timeout_s)
+    return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+
+
+async def resolve_model(client: aiohttp.ClientSession, config: BenchConfig,
                         headers: dict[str, str]) -> str:
     """``config.model``, or the first model the server lists; checks the server answers."""
     try:
-        resp = await client.get(f"{config.base_url}/v1/models", headers=headers)
-    except httpx.HTTPError as exc:
+        async with client.get(f"{config.base_url}/v1/models", headers=headers) as resp:
+            status, content = resp.status, await resp.read()
+    except REQUEST_ERRORS as exc:
         raise BenchSetupError(f"cannot reach the server at {config.base_url}: "
                               f"{type(exc).__name__}: {exc}") from exc
     if config.model:
         return config.model
-    if resp.status_code != 200:
-        raise BenchSetupError(f"GET /v1/models answered HTTP {resp.status_code}: "
-                              f"{error_message(resp.content)} (give --model)")
+    if status != 200:
+        raise BenchSetupError(f"GET /v1/models answered HTTP {status}: "
+                              f"{error_message(content)} (give --model)")
     try:
-        return resp.json()["data"][0]["id"]
+        return json.loads(content)["data"][0]["id"]
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         raise BenchSetupError("GET /v1/models lists no model (give --model)") from exc
 
 
-async def warm_up(client: httpx.AsyncClient, config: BenchConfig, model: str,
+async def warm_up(client: aiohttp.ClientSession, config: BenchConfig, model: str,
                   headers: dict[str, str], prompt: Prompt) -> Endpoint:
     """Send the uncounted warm-up request; return the endpoint settings that worked.
 

@@ -16,11 +16,13 @@ Server-sent events are read line by line; only ``data:`` lines matter::
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from tokenmill.bench.records import RawResponse, Status, StreamEvent
 
@@ -63,30 +65,44 @@ class Endpoint:
         return body
 
 
-async def send(client: httpx.AsyncClient, endpoint: Endpoint, prompt: str, raw: RawResponse,
-               run_start_ts: float) -> None:
+# What a failed request raises: the connection refused, dropped or cut short, or a
+# timeout (``--timeout``: connecting, or waiting for the next chunk).
+REQUEST_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+
+
+async def send(client: aiohttp.ClientSession, endpoint: Endpoint, prompt: str,
+               raw: RawResponse, run_start_ts: float) -> None:
     """Stream one request into ``raw`` (see the module docstring for the outcomes)."""
     sent_ts = time.perf_counter()
     raw.start_s = sent_ts - run_start_ts
     payload = endpoint.payload(prompt, raw.max_tokens)
     try:
-        async with client.stream("POST", endpoint.url, json=payload,
-                                 headers=endpoint.headers) as resp:
-            raw.http_status = resp.status_code
-            if resp.status_code != 200:
-                await resp.aread()
-                _fail(raw, f"HTTP {resp.status_code}: {error_message(resp.content)}")
+        async with client.post(endpoint.url, json=payload, headers=endpoint.headers) as resp:
+            raw.http_status = resp.status
+            if resp.status != 200:
+                _fail(raw, f"HTTP {resp.status}: {error_message(await resp.read())}")
             else:
                 await _read_events(resp, sent_ts, raw)
-    except httpx.HTTPError as exc:
+    except REQUEST_ERRORS as exc:
         _fail(raw, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
     finally:
         raw.end_s = time.perf_counter() - sent_ts
 
 
-async def _read_events(resp: httpx.Response, sent_ts: float, raw: RawResponse) -> None:
+async def _lines(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:
+    """The body's lines as they arrive (without their line ends), however long."""
+    pending = b""
+    async for data in resp.content.iter_any():
+        *lines, pending = (pending + data).split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode("utf-8", "replace")
+    if pending:
+        yield pending.rstrip(b"\r").decode("utf-8", "replace")
+
+
+async def _read_events(resp: aiohttp.ClientResponse, sent_ts: float, raw: RawResponse) -> None:
     saw_finish = False
-    async for line in resp.aiter_lines():
+    async for line in _lines(resp):
         ts_s = time.perf_counter() - sent_ts
         if not line.startswith("data:"):
             continue  # blank separators, comments, "event:" lines

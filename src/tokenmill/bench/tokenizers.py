@@ -13,13 +13,14 @@ Each has ``method`` (named in the report) and ``async count(text) -> int``.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Protocol
 
-import httpx
+import aiohttp
 
 from tokenmill.bench.config import BenchSetupError
-from tokenmill.bench.stream import error_message
+from tokenmill.bench.stream import REQUEST_ERRORS, error_message
 
 
 class TokenCounter(Protocol):
@@ -31,31 +32,31 @@ class TokenCounter(Protocol):
 class ServerTokenCounter:
     method = "server /tokenize"
 
-    def __init__(self, client: httpx.AsyncClient, url: str, model: str,
+    def __init__(self, client: aiohttp.ClientSession, url: str, model: str,
                  headers: dict[str, str]) -> None:
         self._client, self._url, self._model, self._headers = client, url, model, headers
 
     @classmethod
-    async def probe(cls, client: httpx.AsyncClient, base_url: str, model: str,
+    async def probe(cls, client: aiohttp.ClientSession, base_url: str, model: str,
                     headers: dict[str, str]) -> ServerTokenCounter | None:
         """The counter if the server answers ``/tokenize`` sensibly, else None."""
         counter = cls(client, f"{base_url}/tokenize", model, headers)
         try:
             await counter.count("hello world")
-        except (httpx.HTTPError, BenchSetupError):
+        except (*REQUEST_ERRORS, BenchSetupError):
             return None
         return counter
 
     async def count(self, text: str) -> int:
-        resp = await self._client.post(self._url, json={"model": self._model, "prompt": text},
-                                       headers=self._headers)
-        if resp.status_code != 200:
-            raise BenchSetupError(f"/tokenize answered HTTP {resp.status_code}: "
-                                  f"{error_message(resp.content)}")
+        async with self._client.post(self._url, json={"model": self._model, "prompt": text},
+                                     headers=self._headers) as resp:
+            status, content = resp.status, await resp.read()
+        if status != 200:
+            raise BenchSetupError(f"/tokenize answered HTTP {status}: {error_message(content)}")
         try:
-            body = resp.json()
+            body = json.loads(content)
         except ValueError as exc:
-            raise BenchSetupError(f"/tokenize answered non-JSON: {resp.text[:200]!r}") from exc
+            raise BenchSetupError(f"/tokenize answered non-JSON: {content[:200]!r}") from exc
         if isinstance(body, dict) and isinstance(body.get("count"), int):
             return body["count"]
         if isinstance(body, dict) and isinstance(body.get("tokens"), list):
