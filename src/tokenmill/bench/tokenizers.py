@@ -56,7 +56,8 @@ class ServerTokenCounter:
         try:
             body = json.loads(content)
         except ValueError as exc:
-            raise BenchSetupError(f"/tokenize answered non-JSON: {content[:200]!r}") from exc
+            text = content[:200].decode("utf-8", "replace")
+            raise BenchSetupError(f"/tokenize answered non-JSON: {text!r}") from exc
         if isinstance(body, dict) and isinstance(body.get("count"), int):
             return body["count"]
         if isinstance(body, dict) and isinstance(body.get("tokens"), list):
