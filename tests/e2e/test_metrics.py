@@ -46,6 +46,20 @@ def test_counters_and_histograms_match_ground_truth(tiny_server) -> None:
         n - 1 for n in max_tokens)
 
 
+def test_max_tokens_histogram_counts_only_requests_that_set_it(tiny_server) -> None:
+    """The server resolves a chat request's unset ``max_tokens`` to the room left in the
+    context; the histogram sees only the values requests carried."""
+    before = tiny_server.wait_idle()
+    assert completion(tiny_server.base_url, [5, 6, 7], 9).status_code == 200
+    unset = httpx.post(tiny_server.base_url + "/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "hi"}], "temperature": 0.0})
+    assert unset.status_code == 200
+    after = tiny_server.wait_idle()
+    assert delta(after, before, "tokenmill_request_params_n_count") == 2
+    assert delta(after, before, "tokenmill_request_params_max_tokens_count") == 1
+    assert delta(after, before, "tokenmill_request_params_max_tokens_sum") == 9
+
+
 def test_vllm_names_mirror_tokenmill_names(tiny_server) -> None:
     m = tiny_server.wait_idle()
     pairs = [("vllm:num_requests_running", "tokenmill_num_requests_running"),

@@ -170,7 +170,7 @@ class OpenAIServing:
         except AdmissionRejected as rejected:
             self.metrics.record_rejection(rejected.reason)
             raise
-        self.metrics.record_request_params(params.n, core_requests[0].sampling_params.max_tokens)
+        self.metrics.record_request_params(params.n, params.max_tokens)  # as the request set it
         job = _Job(fmt.id_prefix + request_id, int(time.time()), stream, params, prompt_ids, echo)
         if body.stream:
             return _EngineStreamResponse(stream, self._sse(job, body, fmt))
