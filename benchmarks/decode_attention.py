@@ -22,9 +22,9 @@ from report_file import write_report  # noqa: E402  (sibling module)
 from roofline import best_seconds  # noqa: E402  (sibling module)
 
 from tokenmill.kernels import native_kernels
-from tokenmill.models.attention_native import NativeDecode
-from tokenmill.models.attention_sdpa import SdpaAttention
-from tokenmill.models.kv_int8 import quantize_rows
+from tokenmill.models.attention.kv_int8 import quantize_rows
+from tokenmill.models.attention.native import NativeDecode
+from tokenmill.models.attention.sdpa import SdpaAttention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -31,7 +31,7 @@ from tokenmill.config import KERNEL_CHOICES
 from tokenmill.hardware import DTYPE_CHOICES, pick_device, resolve_dtype
 from tokenmill.kernels import choose_kernels
 from tokenmill.model_source import default_model_path, model_name_for
-from tokenmill.models.attention_metadata import AttentionMetadata
+from tokenmill.models.attention.metadata import AttentionMetadata
 from tokenmill.models.loader import load_model
 
 BLOCK_SIZE = 16

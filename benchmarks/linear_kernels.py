@@ -24,7 +24,7 @@ from rich.table import Table
 
 from tokenmill.hardware import cpu_flags, resolve_dtype
 from tokenmill.kernels import native_kernels
-from tokenmill.models.weight_formats import choose_weight_format
+from tokenmill.models.weights.formats import choose_weight_format
 
 CPU = torch.device("cpu")
 # (name, out_features, in_features): SmolLM2-135M's projections and its output head

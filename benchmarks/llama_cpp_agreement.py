@@ -64,7 +64,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.hardware import resolve_dtype
 from tokenmill.kernels import native_kernels
 from tokenmill.models.perplexity import next_token_logprobs
-from tokenmill.models.weight_formats import GGUFFormat
+from tokenmill.models.weights.formats import GGUFFormat
 from tokenmill.tokenizer.tokenizer import load_tokenizer
 
 SERVER_START_S = 120

@@ -59,7 +59,7 @@ from serve import ms, row, running_server
 
 from tokenmill.bench import BenchConfig, run_benchmark
 from tokenmill.model_source import default_model_path
-from tokenmill.models.gguf_loader import open_gguf
+from tokenmill.models.gguf.loader import open_gguf
 
 BYTES_PER_WEIGHT = {"float32": 4, "bfloat16": 2}
 PEER_START_TIMEOUT_S = 600

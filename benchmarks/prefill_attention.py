@@ -23,9 +23,9 @@ from rich.table import Table
 from roofline import best_seconds  # noqa: E402  (sibling module)
 
 from tokenmill.kernels import native_kernels
-from tokenmill.models.attention_metadata import AttentionMetadata
-from tokenmill.models.attention_native import NativePrefill
-from tokenmill.models.attention_sdpa import SdpaPrefill
+from tokenmill.models.attention.metadata import AttentionMetadata
+from tokenmill.models.attention.native import NativePrefill
+from tokenmill.models.attention.sdpa import SdpaPrefill
 
 
 class Prefills:

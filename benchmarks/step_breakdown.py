@@ -62,12 +62,13 @@ from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.sampler import Sampler
 from tokenmill.frontend import request_state
-from tokenmill.models import layers
-from tokenmill.models.attention import AttentionBackend
-from tokenmill.models.attention_native import NativeDecode, NativePrefill
-from tokenmill.models.attention_sdpa import SdpaDecode, SdpaPrefill
+from tokenmill.models.attention.backend import AttentionBackend
+from tokenmill.models.attention.native import NativeDecode, NativePrefill
+from tokenmill.models.attention.sdpa import SdpaDecode, SdpaPrefill
 from tokenmill.models.causal_lm import PagedCausalLM
-from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.families.llama import LlamaForCausalLM
+from tokenmill.models.layers.linear import GatedLinear, Linear
+from tokenmill.models.layers.norms import RMSNorm
 from tokenmill.server.run import serve
 
 SNAPSHOT_ENV = "STEP_BREAKDOWN_FILE"
@@ -136,10 +137,10 @@ def instrument_engine(timers: Timers, module_layers: bool) -> None:
     timers.wrap(ModelRunner, "_prepare", "prepare")
     timers.wrap(AttentionBackend, "plan", "plan")  # inside forward, counted as preparation
     timers.wrap(ModelRunner, "_sampling_batch", "sampling")
-    timers.wrap(layers.Linear, "forward", "matmuls", not_inside="lm_head")
-    timers.wrap(layers.Linear, "forward_add", "matmuls")
-    timers.wrap(layers.GatedLinear, "forward", "matmuls")  # with its SiLU gate
-    timers.wrap(layers.RMSNorm, "forward", "norms")
+    timers.wrap(Linear, "forward", "matmuls", not_inside="lm_head")
+    timers.wrap(Linear, "forward_add", "matmuls")
+    timers.wrap(GatedLinear, "forward", "matmuls")  # with its SiLU gate
+    timers.wrap(RMSNorm, "forward", "norms")
     timers.wrap(PagedCausalLM, "compute_logits", "lm_head")
     for attention in (NativeDecode, NativePrefill, SdpaDecode, SdpaPrefill):
         timers.wrap(attention, "__call__", "attention")  # after rotary and the store

@@ -16,8 +16,8 @@ import random
 
 import torch
 
-from tokenmill.models.attention_metadata import AttentionMetadata
-from tokenmill.models.kv_int8 import quantize_rows
+from tokenmill.models.attention.kv_int8 import quantize_rows
+from tokenmill.models.attention.metadata import AttentionMetadata
 
 
 class PagedRunner:

@@ -13,8 +13,8 @@ from paged_runner import PagedRunner
 from tiny_model import make_tiny_model_dir
 from tokenmill.errors import InvalidParameterError
 from tokenmill.hardware import resolve_dtype
-from tokenmill.models.attention_native import NativePrefill
-from tokenmill.models.llama import split_rows_per_thread
+from tokenmill.models.attention.native import NativePrefill
+from tokenmill.models.families.llama import split_rows_per_thread
 from tokenmill.models.loader import load_model
 
 CPU = torch.device("cpu")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from int8_groups import group_weight, int8_groups
 
-from tokenmill.kernels.linear import NativeInt4Weight, NativeInt8GroupWeight
+from tokenmill.models.weights.native_weights import NativeInt4Weight, NativeInt8GroupWeight
 
 
 @pytest.fixture

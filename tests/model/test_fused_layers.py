@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.models.layers import RotaryEmbedding, apply_rotary
+from tokenmill.models.layers.rotary import RotaryEmbedding, apply_rotary
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 # float32: the same formula, summed in another order; 16-bit: one rounding instead of

@@ -10,15 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels.linear import interleave_gate_up
-from tokenmill.models.layer_ops import layer_ops
-from tokenmill.models.layers import GatedMLP
-from tokenmill.models.weight_formats import (
+from tokenmill.models.layers.mlp import GatedMLP
+from tokenmill.models.layers.ops import layer_ops
+from tokenmill.models.weights.formats import (
     NativeFormat,
     NativeInt8Format,
     NativeVnniW4A8Format,
     NativeW8A8Format,
 )
+from tokenmill.models.weights.native_weights import interleave_gate_up
 
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16

@@ -24,23 +24,23 @@ from paged_runner import PagedRunner
 from transformers import AutoModelForCausalLM
 
 from tokenmill.errors import InvalidParameterError, ModelLoadError
-from tokenmill.kernels.linear import (
-    NativeInt4PlanesWeight,
-    NativeInt4Weight,
-    NativeInt8GroupWeight,
-    NativeWeight,
-)
-from tokenmill.models.gguf_blocks import (
+from tokenmill.models.gguf.blocks import (
     INT8_GROUP_TYPES,
     INT8_GROUPS,
     PLANE_TYPES,
     SUPPORTED_TYPES,
     FileRows,
 )
-from tokenmill.models.gguf_loader import open_gguf
+from tokenmill.models.gguf.loader import open_gguf
 from tokenmill.models.loader import load_model
-from tokenmill.models.torch_weights import OneDNNWeight
-from tokenmill.models.weight_formats import GGUFFormat, StackedRowsWeight, choose_weight_format
+from tokenmill.models.weights.formats import GGUFFormat, StackedRowsWeight, choose_weight_format
+from tokenmill.models.weights.native_weights import (
+    NativeInt4PlanesWeight,
+    NativeInt4Weight,
+    NativeInt8GroupWeight,
+    NativeWeight,
+)
+from tokenmill.models.weights.torch_weights import OneDNNWeight
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tiny_model import make_tiny_model_dir  # noqa: E402

@@ -8,7 +8,7 @@ from paged_runner import PagedRunner, greedy_generate
 from transformers import AutoModelForCausalLM
 
 from tiny_model import LLAMA3_ROPE
-from tokenmill.models.layers import rope_inv_freq
+from tokenmill.models.layers.rotary import rope_inv_freq
 from tokenmill.models.loader import load_model
 
 CPU = torch.device("cpu")

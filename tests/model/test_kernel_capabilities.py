@@ -12,11 +12,10 @@ import torch
 
 from tokenmill.hardware import cpu_flags
 from tokenmill.kernels import KernelUnavailableError
-from tokenmill.kernels.linear import NativeWeight
-from tokenmill.models import weight_formats
-from tokenmill.models.attention_native import NativeAttention, NativePrefill
-from tokenmill.models.attention_sdpa import SdpaPrefill
-from tokenmill.models.weight_formats import (
+from tokenmill.models.attention.native import NativeAttention, NativePrefill
+from tokenmill.models.attention.sdpa import SdpaPrefill
+from tokenmill.models.weights import formats as weight_formats
+from tokenmill.models.weights.formats import (
     Int4Format,
     Int8Format,
     NativeFormat,
@@ -28,6 +27,7 @@ from tokenmill.models.weight_formats import (
     OneDNNFormat,
     choose_weight_format,
 )
+from tokenmill.models.weights.native_weights import NativeWeight
 
 CPU = torch.device("cpu")
 BF16, F32 = torch.bfloat16, torch.float32

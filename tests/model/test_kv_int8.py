@@ -21,10 +21,10 @@ from test_paged_attention import (
 from test_weight_formats import TEXT
 
 from tokenmill.hardware import resolve_dtype
-from tokenmill.models.attention_native import NativeAttention, NativePrefillPlan
-from tokenmill.models.attention_sdpa import SdpaAttention
-from tokenmill.models.kv_int8 import dequantize_rows, quantize_rows, row_width
-from tokenmill.models.layers import RotaryEmbedding
+from tokenmill.models.attention.kv_int8 import dequantize_rows, quantize_rows, row_width
+from tokenmill.models.attention.native import NativeAttention, NativePrefillPlan
+from tokenmill.models.attention.sdpa import SdpaAttention
+from tokenmill.models.layers.rotary import RotaryEmbedding
 from tokenmill.models.loader import load_model
 from tokenmill.models.perplexity import mean_kl_divergence, next_token_logprobs, perplexity_of
 from tokenmill.tokenizer.tokenizer import load_tokenizer

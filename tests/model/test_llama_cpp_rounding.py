@@ -19,15 +19,15 @@ from transformers import AutoModelForCausalLM
 
 from tokenmill.errors import InvalidParameterError
 from tokenmill.hardware import resolve_dtype
-from tokenmill.models.gguf_blocks import FileRows
-from tokenmill.models.llama_cpp_rounding import (
+from tokenmill.models.gguf.blocks import FileRows
+from tokenmill.models.gguf.llama_cpp_rounding import (
     ROUNDINGS,
     VEC_DOT_TYPES,
     round_q8_0,
     round_q8_k,
 )
 from tokenmill.models.loader import load_model
-from tokenmill.models.weight_formats import StackedRowsWeight, choose_weight_format
+from tokenmill.models.weights.formats import StackedRowsWeight, choose_weight_format
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tiny_model import make_tiny_model_dir  # noqa: E402

@@ -20,7 +20,7 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.model_source import default_model_path, model_name_for
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.loader import load_model
-from tokenmill.models.registry import resolve_model_class
+from tokenmill.models.registry import HF_FAMILIES, resolve_model_class
 
 CPU = torch.device("cpu")
 PROMPT = [4, 150, 23, 77, 310, 12, 9, 260, 45, 101, 33, 7, 88, 199, 5, 64, 2, 71]
@@ -168,7 +168,7 @@ def test_config_from_older_hf_layout():
         "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 2.0},
-    })
+    }, HF_FAMILIES)
     assert config.rope_theta == 500000.0
     assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert (config.head_dim, config.num_key_value_heads) == (16, 4)
@@ -177,7 +177,7 @@ def test_config_from_older_hf_layout():
             "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
             "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
-        })
+        }, HF_FAMILIES)
 
 
 def test_model_names_and_default_path(tiny_model_dir):

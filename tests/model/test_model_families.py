@@ -19,11 +19,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.models.attention_metadata import AttentionMetadata
-from tokenmill.models.attention_native import NativeAttention
-from tokenmill.models.attention_sdpa import SdpaAttention
+from tokenmill.models.attention.metadata import AttentionMetadata
+from tokenmill.models.attention.native import NativeAttention
+from tokenmill.models.attention.sdpa import SdpaAttention
 from tokenmill.models.config import FULL, SLIDING, ModelConfig
 from tokenmill.models.loader import load_model
+from tokenmill.models.registry import HF_FAMILIES
 
 CPU = torch.device("cpu")
 FAMILIES = ["qwen3", "mistral", "phi3", "gemma3", "gemma3_head256"]
@@ -189,14 +190,15 @@ def test_hf_configs_of_other_layouts():
     base = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 6, "num_attention_heads": 4}
     qwen = ModelConfig.from_hf_dict({**base, "architectures": ["Qwen2ForCausalLM"],
-                                     "use_sliding_window": False, "sliding_window": 4096})
+                                     "use_sliding_window": False, "sliding_window": 4096},
+                                    HF_FAMILIES)
     assert qwen.sliding_window is None and qwen.layer_types == ()
     qwen_swa = ModelConfig.from_hf_dict({**base, "architectures": ["Qwen2ForCausalLM"],
                                          "use_sliding_window": True, "sliding_window": 64,
-                                         "max_window_layers": 4})
+                                         "max_window_layers": 4}, HF_FAMILIES)
     assert qwen_swa.layer_types == (FULL,) * 4 + (SLIDING,) * 2
     mistral = ModelConfig.from_hf_dict({**base, "architectures": ["MistralForCausalLM"],
-                                        "sliding_window": None})
+                                        "sliding_window": None}, HF_FAMILIES)
     assert mistral.layer_window(0) is None
     gemma = ModelConfig.from_hf_dict({
         **base, "architectures": ["Gemma3ForCausalLM"], "head_dim": 256,
@@ -204,7 +206,7 @@ def test_hf_configs_of_other_layouts():
         "sliding_window": 512, "sliding_window_pattern": 6, "rope_theta": 1_000_000.0,
         "rope_local_base_freq": 10_000.0,
         "rope_scaling": {"rope_type": "linear", "factor": 8.0},
-    })
+    }, HF_FAMILIES)
     assert gemma.layer_types == (SLIDING,) * 5 + (FULL,)
     assert gemma.rope_scaling == {"rope_type": "linear", "factor": 8.0}
     assert (gemma.rope_theta, gemma.sliding_rope_theta, gemma.head_dim) == (1e6, 1e4, 256)
@@ -219,7 +221,7 @@ def test_hf_configs_of_other_layouts():
         ({"architectures": ["GPT2LMHeadModel"]}, "Qwen3ForCausalLM"),
     ]:
         with pytest.raises(ModelLoadError, match=message):
-            ModelConfig.from_hf_dict({**base, **extra})
+            ModelConfig.from_hf_dict({**base, **extra}, HF_FAMILIES)
 
 
 @pytest.mark.parametrize("variant,arch", [("qwen3", "qwen3"), ("phi3", "phi3"),

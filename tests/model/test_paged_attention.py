@@ -10,14 +10,14 @@ import random
 import pytest
 import torch
 
-from tokenmill.models.attention_metadata import AttentionMetadata
-from tokenmill.models.attention_native import (
+from tokenmill.models.attention.metadata import AttentionMetadata
+from tokenmill.models.attention.native import (
     NativeAttention,
     NativeDecode,
     NativeDecodePlan,
     NativePrefillPlan,
 )
-from tokenmill.models.attention_sdpa import SdpaAttention, SdpaDecode
+from tokenmill.models.attention.sdpa import SdpaAttention, SdpaDecode
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 8, 4, 64
 

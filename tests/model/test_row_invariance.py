@@ -10,7 +10,16 @@ import torch
 from int8_groups import int8_groups
 
 from tokenmill.errors import InvalidParameterError
-from tokenmill.kernels.linear import (
+from tokenmill.models.weights.formats import (
+    NativeFormat,
+    NativeInt4Format,
+    NativeInt8Format,
+    NativeVnniW4A8Format,
+    NativeW4A8Format,
+    NativeW8A8Format,
+    choose_weight_format,
+)
+from tokenmill.models.weights.native_weights import (
     NativeInt4Weight,
     NativeInt8GroupWeight,
     NativeInt8Weight,
@@ -19,15 +28,11 @@ from tokenmill.kernels.linear import (
     NativeW8A8Weight,
     NativeWeight,
 )
-from tokenmill.models.torch_weights import Int4Weight, Int8Weight, OneDNNWeight, onednn_supports
-from tokenmill.models.weight_formats import (
-    NativeFormat,
-    NativeInt4Format,
-    NativeInt8Format,
-    NativeVnniW4A8Format,
-    NativeW4A8Format,
-    NativeW8A8Format,
-    choose_weight_format,
+from tokenmill.models.weights.torch_weights import (
+    Int4Weight,
+    Int8Weight,
+    OneDNNWeight,
+    onednn_supports,
 )
 
 CPU = torch.device("cpu")

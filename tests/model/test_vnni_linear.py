@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.kernels.linear import NativeVnniW4A8Weight, NativeW8A8Weight
-from tokenmill.kernels.quantize import quantize_int8_rows, quantize_q4_1_groups
+from tokenmill.models.weights.native_weights import NativeVnniW4A8Weight, NativeW8A8Weight
+from tokenmill.models.weights.quantize import quantize_int8_rows, quantize_q4_1_groups
 
 GROUP = 32  # inputs per 4-bit weight scale and minimum, and per activation scale of w4a8
 WIDE_BLOCK = 64  # inputs per activation scale of w8a8, where they divide a row

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.kernels.linear import NativeW4A8Weight
-from tokenmill.kernels.quantize import quantize_q4_1_panels
+from tokenmill.models.weights.native_weights import NativeW4A8Weight
+from tokenmill.models.weights.quantize import quantize_q4_1_panels
 
 GROUP = NativeW4A8Weight.GROUP  # inputs per weight scale and minimum, and per activation scale
 CENTRE = 8  # the 4-bit value whose part of a weight does not see x rounded

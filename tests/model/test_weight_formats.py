@@ -15,7 +15,20 @@ from safetensors.torch import load_file
 
 from tokenmill.errors import InvalidParameterError
 from tokenmill.hardware import resolve_dtype
-from tokenmill.kernels.linear import (
+from tokenmill.models.config import ModelConfig
+from tokenmill.models.families.llama import LlamaForCausalLM
+from tokenmill.models.layers.linear import Linear
+from tokenmill.models.loader import load_model
+from tokenmill.models.perplexity import perplexity
+from tokenmill.models.registry import HF_FAMILIES
+from tokenmill.models.weights import formats as weight_formats
+from tokenmill.models.weights.formats import (
+    GGUFFormat,
+    Int4Format,
+    NativeInt4Format,
+    choose_weight_format,
+)
+from tokenmill.models.weights.native_weights import (
     NativeInt4Weight,
     NativeInt8Weight,
     NativeVnniW4A8Weight,
@@ -23,18 +36,11 @@ from tokenmill.kernels.linear import (
     NativeW8A8Weight,
     NativeWeight,
 )
-from tokenmill.models import weight_formats
-from tokenmill.models.config import ModelConfig
-from tokenmill.models.layers import Linear
-from tokenmill.models.llama import LlamaForCausalLM
-from tokenmill.models.loader import load_model
-from tokenmill.models.perplexity import perplexity
-from tokenmill.models.torch_weights import Int4Weight, Int8Weight, OneDNNWeight, onednn_supports
-from tokenmill.models.weight_formats import (
-    GGUFFormat,
-    Int4Format,
-    NativeInt4Format,
-    choose_weight_format,
+from tokenmill.models.weights.torch_weights import (
+    Int4Weight,
+    Int8Weight,
+    OneDNNWeight,
+    onednn_supports,
 )
 from tokenmill.tokenizer.tokenizer import load_tokenizer
 
@@ -45,7 +51,7 @@ TEXT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "public_
 
 def unpacked_model(model_dir: str, dtype: torch.dtype) -> LlamaForCausalLM:
     with open(os.path.join(model_dir, "config.json")) as f:
-        model = LlamaForCausalLM(ModelConfig.from_hf_dict(json.load(f)), dtype, CPU)
+        model = LlamaForCausalLM(ModelConfig.from_hf_dict(json.load(f), HF_FAMILIES), dtype, CPU)
     for file in glob.glob(os.path.join(model_dir, "*.safetensors")):
         model.load_weights(load_file(file).items())
     return model

@@ -17,8 +17,8 @@ from tokenmill.errors import InvalidParameterError
 from tokenmill.hardware import pick_device, resolve_dtype
 from tokenmill.kernels import choose_kernels
 from tokenmill.model_source import model_name_for
+from tokenmill.models.attention.kv_int8 import row_width
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.kv_int8 import row_width
 from tokenmill.models.loader import load_model
 
 logger = logging.getLogger("tokenmill")

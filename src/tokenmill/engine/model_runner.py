@@ -34,7 +34,7 @@ from tokenmill.core.types import ModelRunnerOutput, ScheduledRequest, SchedulerO
 from tokenmill.engine.sampler import Sampler, SamplingBatch
 from tokenmill.engine.sampling_batch import grammar_bitmask
 from tokenmill.kernels import NativeKernels
-from tokenmill.models.attention_metadata import AttentionMetadata
+from tokenmill.models.attention.metadata import AttentionMetadata
 
 
 class ModelRunner:

@@ -24,15 +24,15 @@ from torch import nn
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.kernels import NativeKernels
-from tokenmill.models.attention import AttentionBackend, AttentionPlan
-from tokenmill.models.attention_metadata import AttentionMetadata
-from tokenmill.models.attention_native import NativeAttention
-from tokenmill.models.attention_sdpa import SdpaAttention
+from tokenmill.models.attention.backend import AttentionBackend, AttentionPlan
+from tokenmill.models.attention.metadata import AttentionMetadata
+from tokenmill.models.attention.native import NativeAttention
+from tokenmill.models.attention.sdpa import SdpaAttention
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.gguf_blocks import FileRows
-from tokenmill.models.layer_ops import layer_ops
-from tokenmill.models.layers import Linear
-from tokenmill.models.weight_formats import PackedWeight, WeightFormat
+from tokenmill.models.gguf.blocks import FileRows
+from tokenmill.models.layers.linear import Linear
+from tokenmill.models.layers.ops import layer_ops
+from tokenmill.models.weights.formats import PackedWeight, WeightFormat
 
 # Hugging Face projection name -> (our fused projection, shard index in it).
 PACKED_WEIGHTS = {

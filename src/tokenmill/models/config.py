@@ -1,11 +1,12 @@
 """The architecture hyper-parameters of a supported model, from either source format.
 
 ``ModelConfig`` is built from a Hugging Face ``config.json`` dict (``from_hf_dict``) or from
-GGUF metadata (``from_gguf_metadata``); what each architecture's keys mean is its
-``families.ModelFamily``. Invariant: an instance describes a model this package can run;
-anything it cannot (an unknown architecture or rope type, an activation other than SiLU or
-tanh-GELU, heads that do not divide, a partial rotary) raises ``ModelLoadError`` while
-building it, never later in the forward pass.
+GGUF metadata (``from_gguf_metadata``), given the supported families by architecture name
+(``registry``'s); what each architecture's keys mean is its ``family.ModelFamily``.
+Invariant: an instance describes a model this package can run; anything it cannot (an
+unknown architecture or rope type, an activation other than SiLU or tanh-GELU, heads that
+do not divide, a partial rotary) raises ``ModelLoadError`` while building it, never later
+in the forward pass.
 
 Sliding-window attention: ``layer_types[i]`` is ``"sliding_attention"`` where layer ``i``
 attends to the last ``sliding_window`` positions only (a query at position ``p`` sees keys
@@ -28,8 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.models.families import FAMILIES, GGUF_FAMILIES, ModelFamily
-from tokenmill.models.kv_int8 import row_width
+from tokenmill.models.attention.kv_int8 import row_width
+from tokenmill.models.family import ModelFamily
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -38,7 +39,7 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    architecture: str
+    family: ModelFamily
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -63,8 +64,9 @@ class ModelConfig:
     sliding_rope_theta: float | None = None
 
     @property
-    def family(self) -> ModelFamily:
-        return FAMILIES[self.architecture]
+    def architecture(self) -> str:
+        """The Hugging Face architecture name (``architectures[0]``)."""
+        return self.family.architecture
 
     @property
     def attention_scale(self) -> float:
@@ -85,7 +87,6 @@ class ModelConfig:
         return None
 
     def __post_init__(self) -> None:
-        _family_of(self.architecture)
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ModelLoadError(
                 f"unsupported hidden_act {self.hidden_act!r} "
@@ -113,12 +114,17 @@ class ModelConfig:
             )
 
     @classmethod
-    def from_hf_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
-        """Build from a parsed ``config.json`` (transformers 4.x and 5.x rope layouts)."""
+    def from_hf_dict(cls, d: Mapping[str, Any],
+                     families: Mapping[str, ModelFamily]) -> ModelConfig:
+        """Build from a parsed ``config.json`` (transformers 4.x and 5.x rope layouts);
+        ``families``: the supported ones by Hugging Face architecture name."""
         archs = d.get("architectures") or []
         if not archs:
             raise ModelLoadError("config.json names no architecture ('architectures' is empty)")
-        family = _family_of(archs[0])
+        family = families.get(archs[0])
+        if family is None:
+            raise ModelLoadError(f"unsupported model architecture {archs[0]!r} "
+                                 f"(supported: {', '.join(sorted(families))})")
         if d.get("mlp_bias"):
             raise ModelLoadError("unsupported config: mlp_bias = true")
         for key in ("final_logit_softcapping", "attn_logit_softcapping"):
@@ -134,7 +140,7 @@ class ModelConfig:
             window, layer_types = _hf_layer_types(d, family, num_layers)
             bias = bool(d.get("attention_bias", False))
             return cls(
-                architecture=archs[0],
+                family=family,
                 vocab_size=int(d["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(d["intermediate_size"]),
@@ -162,20 +168,22 @@ class ModelConfig:
 
     @classmethod
     def from_gguf_metadata(
-        cls, meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]]
+        cls, meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]],
+        families: Mapping[str, ModelFamily],
     ) -> ModelConfig:
-        """Build from GGUF key/values and the tensors' shapes (torch order: rows first).
+        """Build from GGUF key/values and the tensors' shapes (torch order: rows first);
+        ``families``: the supported ones by llama.cpp architecture name.
 
         Tied embeddings are recognised by the absence of ``output.weight``; a ``rope_freqs``
         tensor is not read here (the loader turns it into a ``freq_factors`` rope_scaling).
         """
         arch = meta.get("general.architecture")
-        if arch not in GGUF_FAMILIES:
+        if arch not in families:
             raise ModelLoadError(
                 f"unsupported GGUF architecture {arch!r} "
-                f"(supported: {', '.join(sorted(GGUF_FAMILIES))})"
+                f"(supported: {', '.join(sorted(families))})"
             )
-        family = GGUF_FAMILIES[arch]
+        family = families[arch]
 
         def get(key: str, default: Any = None) -> Any:
             value = meta.get(f"{arch}.{key}", default)
@@ -192,7 +200,7 @@ class ModelConfig:
         if embd_shape is None:
             raise ModelLoadError("GGUF file has no token_embd.weight tensor")
         return cls(
-            architecture=family.architecture,
+            family=family,
             vocab_size=int(meta.get(f"{arch}.vocab_size") or embd_shape[0]),
             hidden_size=hidden,
             intermediate_size=int(get("feed_forward_length")),
@@ -218,16 +226,6 @@ class ModelConfig:
         or ``D + 4`` bytes a row where ``int8`` (see ``kv_int8``)."""
         return (2, num_blocks, block_size, self.num_key_value_heads,
                 row_width(self.head_dim, int8))
-
-
-def _family_of(architecture: str) -> ModelFamily:
-    """The family of a Hugging Face architecture name; ModelLoadError naming the supported
-    ones if there is none."""
-    family = FAMILIES.get(architecture)
-    if family is None:
-        raise ModelLoadError(f"unsupported model architecture {architecture!r} "
-                             f"(supported: {', '.join(sorted(FAMILIES))})")
-    return family
 
 
 def _gguf_family_fields(meta: Mapping[str, Any], arch: str, family: ModelFamily,

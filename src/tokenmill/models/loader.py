@@ -26,9 +26,9 @@ from tokenmill.errors import InvalidParameterError, ModelLoadError
 from tokenmill.kernels import NativeKernels
 from tokenmill.model_source import default_model_path
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.gguf_loader import open_gguf
-from tokenmill.models.registry import resolve_model_class
-from tokenmill.models.weight_formats import choose_weight_format
+from tokenmill.models.gguf.loader import open_gguf
+from tokenmill.models.registry import HF_FAMILIES, resolve_model_class
+from tokenmill.models.weights.formats import choose_weight_format
 
 # the quantizations that compute from a GGUF file's own rows (``FileRows``)
 FILE_BLOCK_QUANTIZATIONS = ("gguf", "gguf-llama-cpp")
@@ -76,7 +76,7 @@ def _open_hf_folder(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.T
         raise ModelLoadError(f"{path} has no config.json (expected a Hugging Face model folder)")
     try:
         with open(config_path, encoding="utf-8") as f:
-            config = ModelConfig.from_hf_dict(json.load(f))
+            config = ModelConfig.from_hf_dict(json.load(f), HF_FAMILIES)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{config_path} is not valid JSON: {e}") from None
     return config, _safetensors_weights(_safetensors_files(path))

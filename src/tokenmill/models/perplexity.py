@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from tokenmill.models.attention_metadata import AttentionMetadata
+from tokenmill.models.attention.metadata import AttentionMetadata
 
 BLOCK_SIZE = 16
 

@@ -1,27 +1,38 @@
-"""Architecture name (as in a config.json's ``architectures``) -> the class that runs it."""
+"""The supported model families: architecture name (a config.json's ``architectures``, or
+a GGUF file's ``general.architecture``) -> its ``ModelFamily`` and the class that runs it.
+
+``FAMILIES`` lists the family modules (``families/``), one line each; everything else here
+is derived from it.
+"""
 
 from __future__ import annotations
 
-from torch import nn
+from tokenmill.models.causal_lm import PagedCausalLM
+from tokenmill.models.families import gemma3, llama, mistral, phi3, qwen2, qwen3
+from tokenmill.models.family import ModelFamily
 
-from tokenmill.models.gemma3 import Gemma3ForCausalLM
-from tokenmill.models.llama import LlamaForCausalLM
-
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Phi3ForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-    "Gemma3ForCausalLM": Gemma3ForCausalLM,
-}
+FAMILIES = (
+    llama,
+    mistral,
+    qwen2,
+    qwen3,
+    phi3,
+    gemma3,
+)
+MODEL_REGISTRY: dict[str, type[PagedCausalLM]] = {
+    module.FAMILY.architecture: module.MODEL for module in FAMILIES}
+HF_FAMILIES: dict[str, ModelFamily] = {module.FAMILY.architecture: module.FAMILY
+                                       for module in FAMILIES}
+GGUF_FAMILIES: dict[str, ModelFamily] = {
+    module.FAMILY.gguf_architecture: module.FAMILY for module in FAMILIES
+    if module.FAMILY.gguf_architecture is not None}
 
 
 def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
 
 
-def resolve_model_class(architecture: str) -> type[nn.Module]:
+def resolve_model_class(architecture: str) -> type[PagedCausalLM]:
     """The model class for ``architecture``; a ValueError naming the supported ones if none."""
     cls = MODEL_REGISTRY.get(architecture)
     if cls is None:

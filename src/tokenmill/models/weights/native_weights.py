@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.kernels.native import NativeKernels
-from tokenmill.kernels.quantize import (
+from tokenmill.models.weights.quantize import (
     check_int4_shape,
     group_panels,
     int4_panels,

@@ -26,7 +26,8 @@ from gguf.quants import dequantize
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.gguf_blocks import SUPPORTED_TYPES, FileRows
+from tokenmill.models.gguf.blocks import SUPPORTED_TYPES, FileRows
+from tokenmill.models.registry import GGUF_FAMILIES
 
 GGUF_MAGIC = b"GGUF"
 
@@ -78,7 +79,7 @@ def open_gguf(path: str, keep_blocks: bool = False
                 f"{t.tensor_type.name} (supported: {names})"
             )
     shapes = {t.name: _torch_shape(t) for t in reader.tensors}
-    config = ModelConfig.from_gguf_metadata(metadata, shapes)
+    config = ModelConfig.from_gguf_metadata(metadata, shapes, GGUF_FAMILIES)
     tensors = {t.name: t for t in reader.tensors}
     if ROPE_FREQS in tensors:
         factors = tuple(float(x) for x in _dequantized(tensors.pop(ROPE_FREQS)))

@@ -24,13 +24,16 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import NativeKernels
-from tokenmill.models.attention import AttentionBackend, AttentionPlan
+from tokenmill.models.attention.backend import AttentionBackend, AttentionPlan
 from tokenmill.models.causal_lm import PagedCausalLM
 from tokenmill.models.config import FULL, SLIDING, ModelConfig
-from tokenmill.models.layer_ops import LayerOps
-from tokenmill.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, norm_qk
-from tokenmill.models.llama import LlamaAttention, LlamaModel
-from tokenmill.models.weight_formats import WeightFormat
+from tokenmill.models.families.llama import LlamaAttention, LlamaModel
+from tokenmill.models.family import ModelFamily
+from tokenmill.models.layers.mlp import GatedMLP
+from tokenmill.models.layers.norms import RMSNorm, norm_qk
+from tokenmill.models.layers.ops import LayerOps
+from tokenmill.models.layers.rotary import RotaryEmbedding
+from tokenmill.models.weights.formats import WeightFormat
 
 
 class Gemma3Attention(LlamaAttention):
@@ -109,3 +112,10 @@ class Gemma3ForCausalLM(PagedCausalLM):
             cos, sin = rotary[SLIDING if sliding else FULL]
             h = layer(h, cos, sin, kv_cache, plan)
         return h
+
+
+FAMILY = ModelFamily("Gemma3ForCausalLM", "gemma3", qk_norm=True, gemma_norms=True,
+                     gguf_layer_names=(("ffn_norm", "pre_feedforward_layernorm"),
+                                       ("post_attention_norm", "post_attention_layernorm"),
+                                       ("post_ffw_norm", "post_feedforward_layernorm")))
+MODEL = Gemma3ForCausalLM

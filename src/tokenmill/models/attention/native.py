@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.kernels import NativeKernels
-from tokenmill.models.attention import AttentionBackend, AttentionPlan, PrefillAttention
-from tokenmill.models.attention_metadata import AttentionMetadata
-from tokenmill.models.attention_sdpa import SdpaPrefill
+from tokenmill.models.attention.backend import AttentionBackend, AttentionPlan, PrefillAttention
+from tokenmill.models.attention.metadata import AttentionMetadata
+from tokenmill.models.attention.sdpa import SdpaPrefill
 
 
 @dataclass(frozen=True, slots=True)

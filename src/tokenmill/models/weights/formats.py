@@ -61,7 +61,14 @@ import torch
 
 from tokenmill.errors import InvalidParameterError
 from tokenmill.kernels import NativeKernels
-from tokenmill.kernels.linear import (
+from tokenmill.models.gguf.blocks import INT8_GROUP_TYPES, PLANE_TYPES, FileRows
+from tokenmill.models.gguf.llama_cpp_rounding import (
+    VEC_DOT_TYPES,
+    Q8_1ActivationsWeight,
+    RoundedActivationsWeight,
+    rounded_weight,
+)
+from tokenmill.models.weights.native_weights import (
     NativeInt4PlanesWeight,
     NativeInt4Weight,
     NativeInt8GroupWeight,
@@ -72,14 +79,12 @@ from tokenmill.kernels.linear import (
     NativeWeight,
     interleave_gate_up,
 )
-from tokenmill.models.gguf_blocks import INT8_GROUP_TYPES, PLANE_TYPES, FileRows
-from tokenmill.models.llama_cpp_rounding import (
-    VEC_DOT_TYPES,
-    Q8_1ActivationsWeight,
-    RoundedActivationsWeight,
-    rounded_weight,
+from tokenmill.models.weights.torch_weights import (
+    Int4Weight,
+    Int8Weight,
+    OneDNNWeight,
+    onednn_supports,
 )
-from tokenmill.models.torch_weights import Int4Weight, Int8Weight, OneDNNWeight, onednn_supports
 
 
 class StackedRowsWeight:

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenmill.models.attention import AttentionBackend, AttentionPlan
-from tokenmill.models.attention_metadata import AttentionMetadata
-from tokenmill.models.kv_int8 import dequantize_rows, quantize_rows
-from tokenmill.models.layers import apply_rotary
+from tokenmill.models.attention.backend import AttentionBackend, AttentionPlan
+from tokenmill.models.attention.kv_int8 import dequantize_rows, quantize_rows
+from tokenmill.models.attention.metadata import AttentionMetadata
+from tokenmill.models.layers.rotary import apply_rotary
 
 
 @dataclass(frozen=True, slots=True)

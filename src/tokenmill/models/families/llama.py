@@ -1,6 +1,5 @@
-"""The Llama decoder, and the families that are its graph with a few differences (their
-``families.ModelFamily``): Qwen2 (a bias on q, k and v), Qwen3 (QK-norm), Mistral and
-Phi-3 (a sliding window; Phi-3's checkpoint fused as ours).
+"""The Llama decoder, also the graph of the families that differ from it only in their
+``ModelFamily`` (``mistral``, ``qwen2``, ``qwen3``, ``phi3``).
 
 ``forward`` computes the hidden states of a ragged batch of new tokens against the paged
 KV cache; ``compute_logits`` projects only the rows the caller samples from (see
@@ -13,14 +12,18 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import KernelCapabilities
-from tokenmill.kernels.linear import KernelWeight
-from tokenmill.models.attention import AttentionBackend, AttentionPlan
-from tokenmill.models.attention_native import NativeAttention, NativePrefillPlan
+from tokenmill.models.attention.backend import AttentionBackend, AttentionPlan
+from tokenmill.models.attention.native import NativeAttention, NativePrefillPlan
 from tokenmill.models.causal_lm import PagedCausalLM
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.layer_ops import TORCH_LAYER_OPS, LayerOps
-from tokenmill.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, norm_qk
-from tokenmill.models.weight_formats import WeightFormat
+from tokenmill.models.family import ModelFamily
+from tokenmill.models.layers.linear import Linear
+from tokenmill.models.layers.mlp import GatedMLP
+from tokenmill.models.layers.norms import RMSNorm, norm_qk
+from tokenmill.models.layers.ops import TORCH_LAYER_OPS, LayerOps
+from tokenmill.models.layers.rotary import RotaryEmbedding
+from tokenmill.models.weights.formats import WeightFormat
+from tokenmill.models.weights.native_weights import KernelWeight
 
 
 class LlamaAttention(nn.Module):
@@ -182,3 +185,7 @@ def native_decode_layers(model: LlamaForCausalLM) -> torch.ScriptObject | None:
             call = projection.packed.kernel_call()
             stack.add_linear(call.op, call.weight_args, call.trailing_args)
     return stack
+
+
+FAMILY = ModelFamily("LlamaForCausalLM", "llama", gguf_permutes_qk=True)
+MODEL = LlamaForCausalLM

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 from gguf import GGMLQuantizationType
 
-from tokenmill.models.gguf_blocks import FileRows
+from tokenmill.models.gguf.blocks import FileRows
 
 Q = GGMLQuantizationType
 Rounding = Callable[[torch.Tensor], torch.Tensor]

@@ -53,7 +53,7 @@ from typing import Generic, Protocol, TypeVar
 
 import torch
 
-from tokenmill.models.attention_metadata import AttentionMetadata
+from tokenmill.models.attention.metadata import AttentionMetadata
 
 D = TypeVar("D")
 P = TypeVar("P")

@@ -12,7 +12,7 @@ import functools
 import torch
 
 from tokenmill.errors import InvalidParameterError
-from tokenmill.kernels.quantize import quantize_int8_rows
+from tokenmill.models.weights.quantize import quantize_int8_rows
 
 
 class OneDNNWeight:
