@@ -17,6 +17,7 @@ import sys
 
 from tokenmill import __version__
 from tokenmill.config import API_KEY_ENV, EngineConfig, RequestLimits, ServerConfig
+from tokenmill.model_hub import local_model
 from tokenmill.options import add_options, options_from
 from tokenmill.ray_serve.options import RAY_INSTALL_HINT, RayConfig
 from tokenmill.sampling_params import SamplingParams
@@ -29,8 +30,9 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a model over the OpenAI-compatible API",
                        description="Serve a model over the OpenAI-compatible API.")
     p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
-                   help="HF folder or GGUF file, as --model (default: the embedded "
-                        "SmolLM2-135M-Instruct)")
+                   help="HF folder, GGUF file, or Hugging Face Hub repository (org/repo, "
+                        "or org/repo:QUANT for one GGUF file of it), as --model (default: "
+                        "the embedded SmolLM2-135M-Instruct)")
     add_options(p.add_argument_group("server"), ServerConfig)
     add_options(p.add_argument_group("request limits"), RequestLimits)
     add_options(p.add_argument_group("engine"), EngineConfig)
@@ -70,6 +72,17 @@ def server_config_from(args: argparse.Namespace) -> ServerConfig:
                         limits=options_from(args, RequestLimits))
 
 
+def on_disk(config: EngineConfig, server_config: ServerConfig,
+            ) -> tuple[EngineConfig, ServerConfig]:
+    """``config`` with its model on disk, fetched first when it names a Hub repository
+    (``model_hub``), before the engine process starts; a fetched model is served under the
+    name it was given, as in vLLM, unless ``--served-model-name`` names another."""
+    path = local_model(config.model)
+    if path != config.model and server_config.served_model_name is None:
+        server_config = dataclasses.replace(server_config, served_model_name=config.model)
+    return dataclasses.replace(config, model=path), server_config
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     from tokenmill.frontend.llm import LLM
 
@@ -87,7 +100,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    config, server = engine_config_from(args), server_config_from(args)
+    config, server_config = on_disk(engine_config_from(args), server_config_from(args))
     ray_config = options_from(args, RayConfig)
     if ray_config.ray:
         if importlib.util.find_spec("ray") is None:
@@ -95,10 +108,10 @@ def _run_serve(args: argparse.Namespace) -> int:
                              f"{RAY_INSTALL_HINT}")
         from tokenmill.ray_serve.launch import serve_on_ray
 
-        return serve_on_ray(ray_config, server, config)
+        return serve_on_ray(ray_config, server_config, config)
     from tokenmill.server.run import serve
 
-    return serve(server, config)
+    return serve(server_config, config)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:

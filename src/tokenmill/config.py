@@ -71,7 +71,8 @@ def _one_of(name: str, value: Any, choices: tuple[str, ...]) -> None:
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = option(
-        None, "HF folder or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+        None, "HF folder, GGUF file, or Hub repository: org/repo, or org/repo:QUANT for one "
+        "GGUF file of it (default: the embedded SmolLM2-135M-Instruct)")
     dtype: str = option("auto", "auto (bfloat16 where the CPU or GPU computes it natively, "
                         "else float32), float32, bfloat16 or float16", choices=DTYPE_CHOICES)
     quantization: str = option(

@@ -84,6 +84,9 @@ NOT_RUN = {
         "serves on the default port 8000; the test server stands in for it",
     ("docs/metrics.md", "histogram_quantile(0.95,"):
         "PromQL needs a Prometheus (its metric names and labels are checked)",
+    ("docs/models.md", "tokenmill serve HuggingFaceTB/SmolLM2-135M-Instruct"):
+        "downloads from the Hugging Face Hub and serves on the default port 8000 "
+        "(tests/e2e/test_models_by_name.py fetches from a local stand-in for the Hub)",
     ("docs/ray.md", "pip install -e '.[ray]'"): "installs packages",
     ("docs/ray.md", "tokenmill serve --ray --min-replicas 2\n"):
         "starts a Ray instance and serves on the default port 8000",

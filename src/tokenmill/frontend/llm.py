@@ -18,6 +18,7 @@ from tokenmill.errors import InvalidParameterError
 from tokenmill.frontend.outputs import ChoiceDelta, CompletionOutput, RequestOutput
 from tokenmill.frontend.processor import InputProcessor
 from tokenmill.frontend.request_state import ChoiceState, open_choices
+from tokenmill.model_hub import local_model
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
@@ -32,6 +33,7 @@ class LLM:
             raise InvalidParameterError(
                 f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}",
                 unknown[0])
+        model = local_model(model)  # a Hub repository's name: fetched into the cache
         self.engine: Engine = build_engine(EngineConfig(model=model, **options))
         self.tokenizer: Tokenizer = load_tokenizer(model)
         self.processor = InputProcessor(self.tokenizer, self.engine.info)
