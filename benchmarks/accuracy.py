@@ -41,10 +41,11 @@ from rich.table import Table
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
-from tokenmill.hardware import cpu_has_bf16, resolve_dtype
+from tokenmill.hardware import cpu_has_bf16
 from tokenmill.kernels import native_kernels
 from tokenmill.models.perplexity import mean_kl_divergence, next_token_logprobs, perplexity_of
 from tokenmill.models.weights.formats import GGUFFormat
+from tokenmill.models.weights.quantizations import resolve_dtype
 from tokenmill.options import add_options, options_from
 
 CPU = torch.device("cpu")

@@ -28,11 +28,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from tokenmill.config import KERNEL_CHOICES
-from tokenmill.hardware import DTYPE_CHOICES, pick_device, resolve_dtype
+from tokenmill.hardware import DTYPE_CHOICES, pick_device
 from tokenmill.kernels import choose_kernels
 from tokenmill.model_source import default_model_path, model_name_for
 from tokenmill.models.attention.metadata import AttentionMetadata
 from tokenmill.models.loader import load_model
+from tokenmill.models.weights.quantizations import resolve_dtype
 
 BLOCK_SIZE = 16
 

@@ -22,9 +22,9 @@ from report_file import write_report  # noqa: E402  (sibling module)
 from rich.console import Console
 from rich.table import Table
 
-from tokenmill.hardware import cpu_flags, resolve_dtype
+from tokenmill.hardware import cpu_flags
 from tokenmill.kernels import native_kernels
-from tokenmill.models.weights.formats import choose_weight_format
+from tokenmill.models.weights.quantizations import choose_weight_format, resolve_dtype
 
 CPU = torch.device("cpu")
 # (name, out_features, in_features): SmolLM2-135M's projections and its output head

@@ -61,10 +61,10 @@ from rich.table import Table
 from serve import free_port  # noqa: E402  (sibling module)
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.hardware import resolve_dtype
 from tokenmill.kernels import native_kernels
 from tokenmill.models.perplexity import next_token_logprobs
 from tokenmill.models.weights.formats import GGUFFormat
+from tokenmill.models.weights.quantizations import resolve_dtype
 from tokenmill.tokenizer.tokenizer import load_tokenizer
 
 SERVER_START_S = 120

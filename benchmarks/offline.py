@@ -41,8 +41,9 @@ from report_file import write_report  # noqa: E402  (sibling module)
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.config import EngineConfig  # noqa: E402
-from tokenmill.hardware import pick_device, resolve_dtype  # noqa: E402
+from tokenmill.hardware import pick_device  # noqa: E402
 from tokenmill.model_source import default_model_path, model_name_for  # noqa: E402
+from tokenmill.models.weights.quantizations import resolve_dtype  # noqa: E402
 from tokenmill.options import add_options, options_from  # noqa: E402
 
 WARMUP_TOKENS = 4

@@ -20,10 +20,10 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from tokenmill.errors import InvalidParameterError
+from tokenmill.quantization_names import QUANTIZATION_CHOICES
 from tokenmill.sampling_params import SamplingParams, StructuredOutput
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATION_CHOICES = ("none", "int8", "int4", "w4a8", "w8a8", "gguf", "gguf-llama-cpp")
 KERNEL_CHOICES = ("auto", "native", "torch")
 KV_CACHE_DTYPE_CHOICES = ("auto", "int8")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")

@@ -1,8 +1,9 @@
 """Device and dtype choice.
 
-``resolve_dtype("auto", device)`` picks bfloat16 where the hardware computes it natively
+``device_dtype("auto", device)`` picks bfloat16 where the hardware computes it natively
 (any CUDA device; a CPU with AMX or AVX512-BF16) and float32 elsewhere, where bfloat16
-would be emulated and slower than float32.
+would be emulated and slower than float32 (a quantization may take another: its row of
+``models.weights.quantizations`` says).
 """
 
 from __future__ import annotations
@@ -27,16 +28,9 @@ def pick_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def resolve_dtype(name: str, device: torch.device, quantization: str = "none") -> torch.dtype:
-    """``"auto" | "float32" | "bfloat16" | "float16"`` -> the torch dtype to run in. With
-    ``quantization`` ``w4a8`` on a CPU without AVX512-VNNI, whose w4a8 kernel takes float32
-    activations, and with ``gguf-llama-cpp``, which computes in float32, ``auto`` is
-    float32."""
-    if name == "auto" and quantization == "gguf-llama-cpp":
-        return torch.float32
-    if (name == "auto" and quantization == "w4a8" and device.type == "cpu"
-            and not cpu_has_avx512_vnni()):
-        return torch.float32
+def device_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``"auto" | "float32" | "bfloat16" | "float16"`` -> the torch dtype to run in on
+    ``device``."""
     if name == "auto":
         native_bf16 = device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16())
         return torch.bfloat16 if native_bf16 else torch.float32

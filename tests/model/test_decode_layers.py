@@ -12,10 +12,10 @@ from paged_runner import PagedRunner
 
 from tiny_model import make_tiny_model_dir
 from tokenmill.errors import InvalidParameterError
-from tokenmill.hardware import resolve_dtype
 from tokenmill.models.attention.native import NativePrefill
 from tokenmill.models.families.llama import split_rows_per_thread
 from tokenmill.models.loader import load_model
+from tokenmill.models.weights.quantizations import resolve_dtype
 
 CPU = torch.device("cpu")
 QUANTIZATIONS = ("none", "int8", "int4", "w4a8", "w8a8")

@@ -33,13 +33,14 @@ from tokenmill.models.gguf.blocks import (
 )
 from tokenmill.models.gguf.loader import open_gguf
 from tokenmill.models.loader import load_model
-from tokenmill.models.weights.formats import GGUFFormat, StackedRowsWeight, choose_weight_format
+from tokenmill.models.weights.formats import GGUFFormat, StackedRowsWeight
 from tokenmill.models.weights.native_weights import (
     NativeInt4PlanesWeight,
     NativeInt4Weight,
     NativeInt8GroupWeight,
     NativeWeight,
 )
+from tokenmill.models.weights.quantizations import choose_weight_format
 from tokenmill.models.weights.torch_weights import OneDNNWeight
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

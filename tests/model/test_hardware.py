@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tokenmill.errors import InvalidParameterError
-from tokenmill.hardware import cpu_has_bf16, pick_device, resolve_dtype
+from tokenmill.hardware import cpu_has_bf16, device_dtype, pick_device
 
 CPU = torch.device("cpu")
 
@@ -20,13 +20,13 @@ def test_pick_device_follows_cuda_availability():
     [("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)],
 )
 def test_explicit_dtypes(name, dtype):
-    assert resolve_dtype(name, CPU) is dtype
+    assert device_dtype(name, CPU) is dtype
 
 
 def test_auto_dtype():
-    assert resolve_dtype("auto", torch.device("cuda")) is torch.bfloat16
+    assert device_dtype("auto", torch.device("cuda")) is torch.bfloat16
     expected = torch.bfloat16 if cpu_has_bf16() else torch.float32
-    assert resolve_dtype("auto", CPU) is expected
+    assert device_dtype("auto", CPU) is expected
 
 
 def test_cpu_bf16_probe_agrees_with_torch():
@@ -37,5 +37,5 @@ def test_cpu_bf16_probe_agrees_with_torch():
 @pytest.mark.parametrize("name", ["fp32", "int8", "", "Float32"])
 def test_bad_dtype_names(name):
     with pytest.raises(InvalidParameterError, match="unknown dtype") as info:
-        resolve_dtype(name, CPU)
+        device_dtype(name, CPU)
     assert info.value.param == "dtype"

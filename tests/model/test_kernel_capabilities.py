@@ -25,9 +25,9 @@ from tokenmill.models.weights.formats import (
     NativeW4A8Format,
     NativeW8A8Format,
     OneDNNFormat,
-    choose_weight_format,
 )
 from tokenmill.models.weights.native_weights import NativeWeight
+from tokenmill.models.weights.quantizations import choose_weight_format
 
 CPU = torch.device("cpu")
 BF16, F32 = torch.bfloat16, torch.float32

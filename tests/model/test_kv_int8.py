@@ -20,13 +20,13 @@ from test_paged_attention import (
 )
 from test_weight_formats import TEXT
 
-from tokenmill.hardware import resolve_dtype
 from tokenmill.models.attention.kv_int8 import dequantize_rows, quantize_rows, row_width
 from tokenmill.models.attention.native import NativeAttention, NativePrefillPlan
 from tokenmill.models.attention.sdpa import SdpaAttention
 from tokenmill.models.layers.rotary import RotaryEmbedding
 from tokenmill.models.loader import load_model
 from tokenmill.models.perplexity import mean_kl_divergence, next_token_logprobs, perplexity_of
+from tokenmill.models.weights.quantizations import resolve_dtype
 from tokenmill.tokenizer.tokenizer import load_tokenizer
 
 CPU = torch.device("cpu")

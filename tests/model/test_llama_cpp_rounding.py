@@ -18,7 +18,6 @@ from paged_runner import PagedRunner
 from transformers import AutoModelForCausalLM
 
 from tokenmill.errors import InvalidParameterError
-from tokenmill.hardware import resolve_dtype
 from tokenmill.models.gguf.blocks import FileRows
 from tokenmill.models.gguf.llama_cpp_rounding import (
     ROUNDINGS,
@@ -27,7 +26,8 @@ from tokenmill.models.gguf.llama_cpp_rounding import (
     round_q8_k,
 )
 from tokenmill.models.loader import load_model
-from tokenmill.models.weights.formats import StackedRowsWeight, choose_weight_format
+from tokenmill.models.weights.formats import StackedRowsWeight
+from tokenmill.models.weights.quantizations import choose_weight_format, resolve_dtype
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tiny_model import make_tiny_model_dir  # noqa: E402

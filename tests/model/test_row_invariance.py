@@ -17,7 +17,6 @@ from tokenmill.models.weights.formats import (
     NativeVnniW4A8Format,
     NativeW4A8Format,
     NativeW8A8Format,
-    choose_weight_format,
 )
 from tokenmill.models.weights.native_weights import (
     NativeInt4Weight,
@@ -28,6 +27,7 @@ from tokenmill.models.weights.native_weights import (
     NativeW8A8Weight,
     NativeWeight,
 )
+from tokenmill.models.weights.quantizations import choose_weight_format
 from tokenmill.models.weights.torch_weights import (
     Int4Weight,
     Int8Weight,

@@ -13,8 +13,8 @@ import torch
 from paged_runner import PagedRunner
 from safetensors.torch import load_file
 
+from tokenmill.config import EngineConfig
 from tokenmill.errors import InvalidParameterError
-from tokenmill.hardware import resolve_dtype
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.families.llama import LlamaForCausalLM
 from tokenmill.models.layers.linear import Linear
@@ -22,12 +22,7 @@ from tokenmill.models.loader import load_model
 from tokenmill.models.perplexity import perplexity
 from tokenmill.models.registry import HF_FAMILIES
 from tokenmill.models.weights import formats as weight_formats
-from tokenmill.models.weights.formats import (
-    GGUFFormat,
-    Int4Format,
-    NativeInt4Format,
-    choose_weight_format,
-)
+from tokenmill.models.weights.formats import GGUFFormat, Int4Format, NativeInt4Format
 from tokenmill.models.weights.native_weights import (
     NativeInt4Weight,
     NativeInt8Weight,
@@ -36,12 +31,19 @@ from tokenmill.models.weights.native_weights import (
     NativeW8A8Weight,
     NativeWeight,
 )
+from tokenmill.models.weights.quantizations import (
+    QUANTIZATIONS,
+    check_source,
+    choose_weight_format,
+    resolve_dtype,
+)
 from tokenmill.models.weights.torch_weights import (
     Int4Weight,
     Int8Weight,
     OneDNNWeight,
     onednn_supports,
 )
+from tokenmill.quantization_names import QUANTIZATION_CHOICES
 from tokenmill.tokenizer.tokenizer import load_tokenizer
 
 CPU = torch.device("cpu")
@@ -273,7 +275,7 @@ def test_without_onednn_support_weights_stay_plain(tiny_model_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype,device,message", [
-    (torch.float16, CPU, "computes in bfloat16 or float32"),
+    (torch.float16, CPU, "takes bfloat16 or float32 activations"),
     (BF16, torch.device("cuda"), "CPU only"),
 ])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
@@ -307,3 +309,16 @@ def test_quantized_perplexity_of_smollm2_within_two_percent(native):
         quantized = perplexity(model, token_ids)
         assert quantized <= exact * 1.02, (
             f"{quantization} perplexity {quantized:.3f} vs {exact:.3f}")
+
+
+def test_the_table_of_quantizations_decides_the_options_choices():
+    """``--quantization`` offers the table's rows, in order; a row of a GGUF file's own
+    blocks refuses a folder, naming the rows that take one."""
+    assert tuple(QUANTIZATIONS) == QUANTIZATION_CHOICES
+    choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(EngineConfig)}
+    assert choices["quantization"] == QUANTIZATION_CHOICES
+    for row in QUANTIZATIONS.values():
+        if row.file_blocks:
+            with pytest.raises(InvalidParameterError, match="none, int8, int4, w4a8 or w8a8"):
+                check_source(row.name, "folder", is_folder=True)
+        check_source(row.name, "model.gguf", is_folder=False)

@@ -17,7 +17,8 @@ import tokenmill
 SRC = pathlib.Path(tokenmill.__file__).parent
 # Lowest first; a module may import its own layer and those below it.
 LAYERS = [
-    {"errors", "sampling_params", "config", "options", "model_source", "model_hub"},
+    {"errors", "sampling_params", "config", "options", "quantization_names",
+     "model_source", "model_hub"},
     {"structured"},
     {"core"},
     {"hardware", "kernels", "models"},

@@ -14,12 +14,13 @@ from tokenmill.engine.cpu_share import usable_cpus
 from tokenmill.engine.messages import EngineInfo
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.errors import InvalidParameterError
-from tokenmill.hardware import pick_device, resolve_dtype
+from tokenmill.hardware import pick_device
 from tokenmill.kernels import choose_kernels
 from tokenmill.model_source import model_name_for
 from tokenmill.models.attention.kv_int8 import row_width
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.loader import load_model
+from tokenmill.models.weights.quantizations import resolve_dtype
 
 logger = logging.getLogger("tokenmill")
 

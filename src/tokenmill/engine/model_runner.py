@@ -15,7 +15,7 @@ Invariant: a position's arithmetic depends on what it is, not on what else the s
 holds. Prompt positions take the prefill attention; output positions the decode attention,
 one row each, whether decoded, verified as a draft or recomputed after preemption
 (``AttentionMetadata.prefill_lens``); the projections compute each row alone at a decode
-or verify step's sizes (``weight_formats``). So a request's tokens are the same alone, in
+or verify step's sizes (``models.weights.formats``). So a request's tokens are the same alone, in
 any batch of decodes and with or without speculation. With ``batch_invariant`` the
 projections are native (each row alone at every size) and, where the prefill attention is
 not row-invariant (``PrefillAttention.row_invariant``), prompt positions take the decode

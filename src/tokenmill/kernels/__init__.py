@@ -7,11 +7,11 @@ The one door to them::
                                                 # build can do; choices ask it, never the ops
     kernels.rms_norm(x, weight, eps)            # the ops every build has, bound once
     kernels.prefill_attention(dtype, head_dim)  # a CPU-dependent one, where capable
-    linear.NativeWeight(kernels, weight, bias)  # a projection packed for its kernel
+    kernels.linear_kernels(dtype)               # the linear ops for dtype, where capable
 
 ``build`` compiles the ``.cpp`` files here (or loads the cached build), ``capabilities``
-records what the build holds, ``signatures`` types the ops, ``linear`` packs weights for
-the linear kernels and ``quantize`` makes the integer weights they read. The bfloat16
+records what the build holds, ``signatures`` types the ops (``models.weights`` packs
+projections for the linear kernels: ``native_weights``). The bfloat16
 kernels (linear layers, prefill attention) exist only on a CPU with AVX512-BF16 (where it
 has AMX, the linear layers multiply on its tiles: ``capabilities.linear_tiles``), the
 float32 linear layers only on one with AVX2 and FMA but no AVX-512, the float32 w4a8

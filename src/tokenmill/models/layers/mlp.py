@@ -20,7 +20,7 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 class GatedMLP(nn.Module):
     """``residual + down(act(gate(x)) * up(x))`` with gate and up fused in one ``[2I, H]``
     projection (``GatedLinear``, which gates too); the gate by ``ops.silu_and_mul`` (see
-    ``layer_ops``) or in the projection's kernel, or by ``gelu_tanh_and_mul`` with
+    ``layers.ops``) or in the projection's kernel, or by ``gelu_tanh_and_mul`` with
     ``activation="gelu_pytorch_tanh"``."""
 
     def __init__(

@@ -11,7 +11,7 @@ from tokenmill.models.layers.ops import LayerOps
 
 class RMSNorm(nn.Module):
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension, computed in float32,
-    by ``ops.rms_norm`` (see ``layer_ops``)."""
+    by ``ops.rms_norm`` (see ``layers.ops``)."""
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device,
                  ops: LayerOps):

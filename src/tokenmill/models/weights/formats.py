@@ -1,57 +1,48 @@
-"""How a projection's weight is stored for the kernels that multiply by it.
+"""How a projection's weight is stored for the kernels that multiply by it: the weight
+formats the table of quantizations (``quantizations``) chooses from.
 
-Before loading, ``choose_weight_format(dtype, device, quantization, kernels)`` picks the
-fastest exact-enough format this host supports; every ``Linear`` is built with it (the
-output head with its ``head``) and converts its plain ``[out, in]`` weight once, after
-loading. The formats, and when each is chosen (``docs/performance.md`` has their speeds
-and accuracy costs):
+A format's ``supports(dtype, kernels)`` says where it runs (and, for the native formats,
+where they are the fastest choice); ``build`` makes it for a model; every ``Linear`` is
+built with it (the output head with its ``head``) and converts its plain ``[out, in]``
+weight once, after loading, into the format's packed-weight class:
 
-- ``NativeFormat``: the engine's native kernels (``kernels.linear.NativeWeight``), where
-  they take the dtype: bfloat16 on a CPU with AVX512-BF16 (on an AMX CPU only where they
-  multiply on its tiles: without them oneDNN's tiles multiply a prefill's rows faster),
-  float32 on one with AVX2 and FMA but no AVX-512.
-- ``OneDNNFormat``: oneDNN's blocked layout, elsewhere on the CPU, in float32, bfloat16 or
-  float16, where oneDNN can reorder the dtype (its bfloat16 reorder needs AVX512-BW/VL/DQ
-  or AVX-NE-CONVERT, so an AVX2-only host keeps bfloat16 weights plain).
-- ``Int8Format`` / ``NativeInt8Format``: ``--quantization int8`` (CPU, bfloat16 or float32
-  activations): int8 weights with one scale per output row, widened inside the kernel;
-  activations stay in floating point. The native kernel where the CPU has the dtype's,
-  else PyTorch's.
-- ``Int4Format`` / ``NativeInt4Format``: ``--quantization int4``, likewise: 4-bit weights
-  with a scale and a minimum per 32 inputs of a row (GGUF Q4_1's form: from a Q4_1 file's
-  weights it recovers the file's own 4-bit values). The output head keeps 8 bits.
-- ``NativeVnniW4A8Format`` / ``NativeW4A8Format``: ``--quantization w4a8``: int4's
-  weights (float16 scales and minimums) times activations quantized to int8 at every
-  call per group of 32 inputs, multiplied as integers: bfloat16 or float32 activations on
-  a CPU with AVX512-VNNI (``NativeVnniW4A8Weight``), float32 elsewhere on a CPU with AVX2,
-  FMA and F16C (``NativeW4A8Weight``). No PyTorch form.
-  The output head keeps 8-bit weights: w8a8's on VNNI, else int8 with float32 activations
-  (native where the CPU has that kernel).
-- ``NativeW8A8Format``: ``--quantization w8a8`` (AVX512-VNNI): int8's weights times
-  activations quantized to int8 per block of 64 inputs (32 where 64 do not divide a
-  row) at every call, multiplied as integers, the output head too. No PyTorch form.
-- ``GGUFFormat``: ``--quantization gguf``, a GGUF file's own values (``docs/gguf.md``):
-  rows of Q8_0 and Q5_0, Q6_K and Q3_K (``gguf_blocks.INT8_GROUP_TYPES``) compute as int8
-  with a scale per 32 or per 16 inputs in the native int8 kernel, rows of a type that
-  4-bit planes hold (``gguf_blocks.PLANE_TYPES``: Q4_0, Q4_1, Q4_K in one, Q5_1, Q5_K in
-  two) on them in the native int4 kernel, both exactly; the rows of other types (Q2_K,
-  the float types) in the format ``none`` gives them (their values in the dtype: exact in
-  float32).
-- ``LlamaCppFormat``: ``--quantization gguf-llama-cpp``, a GGUF file's values in float32
-  times activations rounded before each product as llama.cpp's CPU backend rounds them
-  for the weight's type (``llama_cpp_rounding``): llama.cpp's products on the file, for
-  comparing with it; the weights in the format ``none`` gives float32.
-- None: plain ``F.linear`` (CUDA, or no packed form for this dtype here).
-
-Every packed format computes each row of a call alone at a decode or verify step's sizes
-(tested), so a token gets the same bits alone, in a batch or among speculative drafts.
-Only the native formats promise it at every size (a prefill's too): ``batch_invariant``
-takes them alone, and raises where the host has none for the dtype.
+- ``NativeFormat``: the native kernels' own layout (``native_weights.NativeWeight``),
+  where they take the dtype: bfloat16 on a CPU with AVX512-BF16 (on an AMX CPU only where
+  they multiply on its tiles: without them oneDNN's tiles multiply a prefill's rows
+  faster), float32 on one with AVX2 and FMA but no AVX-512 (where oneDNN has AVX-512 its
+  float32 kernels are twice the native one's peak).
+- ``OneDNNFormat``: oneDNN's blocked layout (``torch_weights.OneDNNWeight``) in float32,
+  bfloat16 or float16, where oneDNN can reorder the dtype (its bfloat16 reorder needs
+  AVX512-BW/VL/DQ or AVX-NE-CONVERT, so an AVX2-only host keeps bfloat16 weights plain).
+- ``Int8Format`` / ``NativeInt8Format``: int8 weights with one scale per output row,
+  widened inside the kernel; activations stay in floating point. The native kernel where
+  ``NativeFormat`` would take the dtype, else PyTorch's.
+- ``Int4Format`` / ``NativeInt4Format``: likewise, 4-bit weights with a scale and a
+  minimum per 32 inputs of a row (GGUF Q4_1's form: from a Q4_1 file's weights it
+  recovers the file's own 4-bit values). The output head keeps 8 bits.
+- ``NativeVnniW4A8Format`` / ``NativeW4A8Format``: int4's weights (float16 scales and
+  minimums) times activations quantized to int8 at every call per group of 32 inputs,
+  multiplied as integers: bfloat16 or float32 activations on a CPU with AVX512-VNNI
+  (``NativeVnniW4A8Weight``), float32 elsewhere on a CPU with AVX2, FMA and F16C
+  (``NativeW4A8Weight``). No PyTorch form. The output head keeps 8-bit weights: w8a8's on
+  VNNI, else int8 with float32 activations.
+- ``NativeW8A8Format``: int8's weights times activations quantized to int8 per block of
+  64 inputs (32 where 64 do not divide a row) at every call, multiplied as integers
+  (AVX512-VNNI), the output head too. No PyTorch form.
+- ``GGUFFormat``: a GGUF file's own values (``docs/gguf.md``): rows of Q8_0 and Q5_0,
+  Q6_K and Q3_K (``gguf.blocks.INT8_GROUP_TYPES``) compute as int8 with a scale per 32 or
+  per 16 inputs in the native int8 kernel, rows of a type that 4-bit planes hold
+  (``gguf.blocks.PLANE_TYPES``: Q4_0, Q4_1, Q4_K in one, Q5_1, Q5_K in two) on them in the
+  native int4 kernel, both exactly; the rows of other types (Q2_K, the float types) in the
+  format ``none`` gives them (their values in the dtype: exact in float32).
+- ``LlamaCppFormat``: a GGUF file's values in float32 times activations rounded before
+  each product as llama.cpp's CPU backend rounds them for the weight's type
+  (``gguf.llama_cpp_rounding``): llama.cpp's products on the file, for comparing with it;
+  the weights in the format ``none`` gives float32.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 from abc import ABC, abstractmethod
@@ -59,7 +50,6 @@ from collections.abc import Callable
 
 import torch
 
-from tokenmill.errors import InvalidParameterError
 from tokenmill.kernels import NativeKernels
 from tokenmill.models.gguf.blocks import INT8_GROUP_TYPES, PLANE_TYPES, FileRows
 from tokenmill.models.gguf.llama_cpp_rounding import (
@@ -120,8 +110,17 @@ class WeightFormat(ABC):
     @staticmethod
     @abstractmethod
     def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
-        """Whether this CPU runs the format with ``dtype`` activations; ``kernels``: the
-        engine's native kernels, None where it uses PyTorch's."""
+        """Whether this CPU runs the format with ``dtype`` activations (and, for a native
+        format, it is the fastest there); ``kernels``: the engine's native kernels, None
+        where it uses PyTorch's."""
+
+    @classmethod
+    def build(cls, dtype: torch.dtype, kernels: NativeKernels | None,
+              dense: WeightFormat | None) -> WeightFormat:
+        """The format for a model of ``dtype`` activations computing with ``kernels``;
+        ``dense``: the format ``none`` gives that model, for a format that keeps some
+        weights as they are."""
+        return cls()
 
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight:
         """``weight [out, in]`` and ``bias`` converted into this format."""
@@ -164,8 +163,30 @@ class KernelWeightFormat(WeightFormat):
     def __init__(self, kernels: NativeKernels) -> None:
         self.kernels = kernels
 
+    @classmethod
+    def build(cls, dtype: torch.dtype, kernels: NativeKernels | None,
+              dense: WeightFormat | None) -> WeightFormat:
+        return cls(kernels)
+
+    @classmethod
+    def row_invariant(cls, dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
+        """Whether the format's kernel runs here for ``dtype``, fastest or not (for
+        ``batch_invariant``, which takes the native formats alone)."""
+        return cls.supports(dtype, kernels)
+
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight:
         return self.packed(self.kernels, weight, bias)
+
+
+def native_linear(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
+    """Whether the native linear kernels (float, int8, int4 weights) for ``dtype``
+    activations are in this build (``KernelCapabilities.linear``)."""
+    return kernels is not None and kernels.capabilities.linear(dtype)
+
+
+def native_linear_fastest(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
+    """``native_linear``: where they are in this build they are the fastest."""
+    return native_linear(dtype, kernels)
 
 
 class OneDNNFormat(WeightFormat):
@@ -181,7 +202,7 @@ class NativeFormat(KernelWeightFormat):
 
     @staticmethod
     def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
-        return (kernels is not None and kernels.capabilities.linear(dtype)
+        return (native_linear_fastest(dtype, kernels)
                 and not (dtype == torch.bfloat16 and kernels.capabilities.amx
                          and not kernels.capabilities.linear_tiles))
 
@@ -190,10 +211,9 @@ class NativeFormat(KernelWeightFormat):
         and the tiles multiply a prefill's gate/up rows faster than the gate saves."""
         return dtype == torch.bfloat16 and not self.kernels.capabilities.amx
 
-    @staticmethod
-    def row_invariant(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
-        """Whether the native kernel takes ``dtype``, AMX or not (``batch_invariant``)."""
-        return kernels is not None and kernels.capabilities.linear(dtype)
+    @classmethod
+    def row_invariant(cls, dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
+        return native_linear(dtype, kernels)
 
 
 class Int8Format(WeightFormat):
@@ -209,7 +229,11 @@ class NativeInt8Format(KernelWeightFormat):
 
     @staticmethod
     def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
-        return kernels is not None and kernels.capabilities.linear(dtype)
+        return native_linear_fastest(dtype, kernels)
+
+    @classmethod
+    def row_invariant(cls, dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
+        return native_linear(dtype, kernels)
 
 
 class Int4Format(WeightFormat):
@@ -229,7 +253,11 @@ class NativeInt4Format(KernelWeightFormat):
 
     @staticmethod
     def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
-        return kernels is not None and kernels.capabilities.linear(dtype)
+        return native_linear_fastest(dtype, kernels)
+
+    @classmethod
+    def row_invariant(cls, dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
+        return native_linear(dtype, kernels)
 
     @property
     def head(self) -> WeightFormat:
@@ -258,6 +286,11 @@ class NativeW8A8Format(KernelWeightFormat):
     def __init__(self, kernels: NativeKernels, dtype: torch.dtype) -> None:
         super().__init__(kernels)
         self.dtype = dtype  # the activations'
+
+    @classmethod
+    def build(cls, dtype: torch.dtype, kernels: NativeKernels | None,
+              dense: WeightFormat | None) -> WeightFormat:
+        return cls(kernels, dtype)
 
     @staticmethod
     def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
@@ -303,7 +336,13 @@ class GGUFFormat(WeightFormat):
 
     @staticmethod
     def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
-        return kernels is not None and kernels.capabilities.linear(dtype)
+        return native_linear(dtype, kernels)
+
+    @classmethod
+    def build(cls, dtype: torch.dtype, kernels: NativeKernels | None,
+              dense: WeightFormat | None) -> WeightFormat:
+        assert dense is not None, "the native linear kernels take the dtype (supports)"
+        return cls(kernels, dense)
 
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight:
         return self.dense.pack(weight, bias)
@@ -360,7 +399,15 @@ class LlamaCppFormat(WeightFormat):
 
     @staticmethod
     def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
-        return dtype == torch.float32
+        """float32, where ``none`` packs it (natively or by oneDNN)."""
+        return dtype == torch.float32 and (NativeFormat.supports(dtype, kernels)
+                                           or OneDNNFormat.supports(dtype, kernels))
+
+    @classmethod
+    def build(cls, dtype: torch.dtype, kernels: NativeKernels | None,
+              dense: WeightFormat | None) -> WeightFormat:
+        assert dense is not None, "none packs float32 here (supports)"
+        return cls(dense)
 
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight:
         return self.dense.pack(weight, bias)
@@ -387,99 +434,3 @@ def _pack_in_runs(weight: torch.Tensor, bias: torch.Tensor | None, rows: list[Fi
         first = last
     return parts[0] if len(parts) == 1 else StackedRowsWeight(parts)
 
-
-# Per quantization: its native format, then PyTorch's.
-_QUANTIZED = {"int8": (NativeInt8Format, Int8Format), "int4": (NativeInt4Format, Int4Format)}
-
-
-def choose_weight_format(dtype: torch.dtype, device: torch.device, quantization: str = "none",
-                         kernels: NativeKernels | None = None,
-                         batch_invariant: bool = False) -> WeightFormat | None:
-    """The format every projection takes after loading; None keeps plain weights.
-    ``kernels``: the engine's native kernels, None where it uses PyTorch's;
-    ``batch_invariant``: native formats only (see the module docstring).
-
-    Raises ``InvalidParameterError`` for a quantization this device or dtype cannot run,
-    and with ``batch_invariant`` where no native format takes the dtype.
-    """
-    if batch_invariant:
-        return _native_format(dtype, device, quantization, kernels)
-    if quantization == "none":
-        if device.type != "cpu":
-            return None
-        if NativeFormat.supports(dtype, kernels):
-            return NativeFormat(kernels)
-        return OneDNNFormat() if OneDNNFormat.supports(dtype, kernels) else None
-    assert quantization in ("int8", "int4", "w4a8", "w8a8", "gguf", "gguf-llama-cpp"), \
-        "EngineConfig checks it"
-    if device.type != "cpu":
-        raise InvalidParameterError(f"--quantization {quantization} runs on the CPU only",
-                                    "quantization")
-    if quantization == "gguf":
-        if not GGUFFormat.supports(dtype, kernels):
-            raise InvalidParameterError(
-                "--quantization gguf needs the native linear kernels of this dtype (kernels "
-                "auto or native; bfloat16 on a CPU with AVX512-BF16, float32 on one with AVX2 "
-                "and FMA but no AVX-512): use none", "quantization")
-        dense = choose_weight_format(dtype, device, "none", kernels)
-        assert dense is not None, "the native linear kernels take the dtype (see GGUFFormat)"
-        return GGUFFormat(kernels, dense)
-    if quantization == "gguf-llama-cpp":
-        dense = choose_weight_format(dtype, device, "none", kernels)
-        if not LlamaCppFormat.supports(dtype, kernels) or dense is None:
-            raise InvalidParameterError(
-                "--quantization gguf-llama-cpp computes in float32: use --dtype auto or "
-                "float32", "quantization")
-        return LlamaCppFormat(dense)
-    if quantization in ("w4a8", "w8a8"):
-        return _integer_activations_format(dtype, quantization, kernels)
-    native, portable = _QUANTIZED[quantization]
-    if not portable.supports(dtype, kernels):
-        raise InvalidParameterError(
-            f"--quantization {quantization} computes in bfloat16 or float32: use --dtype "
-            "auto, bfloat16 or float32", "quantization")
-    return native(kernels) if native.supports(dtype, kernels) else portable()
-
-
-def _integer_activations_format(dtype: torch.dtype, quantization: str,
-                                kernels: NativeKernels | None) -> WeightFormat:
-    """The format of ``--quantization w4a8`` or ``w8a8`` for ``dtype`` activations here."""
-    if NativeW8A8Format.supports(dtype, kernels):
-        vnni = NativeW8A8Format if quantization == "w8a8" else NativeVnniW4A8Format
-        return vnni(kernels, dtype)
-    if quantization == "w4a8" and NativeW4A8Format.supports(dtype, kernels):
-        return NativeW4A8Format(kernels)
-    if NativeW8A8Format.supports(torch.float32, kernels):  # the dtype is what is wrong
-        raise InvalidParameterError(f"--quantization {quantization} takes bfloat16 or float32 "
-                                    "activations: use --dtype auto, bfloat16 or float32",
-                                    "quantization")
-    if quantization == "w4a8" and NativeW4A8Format.supports(torch.float32, kernels):
-        raise InvalidParameterError("--quantization w4a8 takes float32 activations on a CPU "
-                                    "without AVX512-VNNI: use --dtype auto or float32",
-                                    "quantization")
-    needs = ("a CPU with AVX512-VNNI, or with AVX2, FMA and F16C" if quantization == "w4a8"
-             else "a CPU with AVX512-VNNI")
-    raise InvalidParameterError(
-        f"--quantization {quantization} needs the native kernels of {needs} (and kernels "
-        f"auto or native): use {'int4' if quantization == 'w4a8' else 'int8'}", "quantization")
-
-
-def _native_format(dtype: torch.dtype, device: torch.device, quantization: str,
-                   kernels: NativeKernels | None) -> WeightFormat:
-    """The native format of ``quantization`` (its head native too), for ``batch_invariant``."""
-    if device.type == "cpu" and quantization in ("w4a8", "w8a8"):
-        with contextlib.suppress(InvalidParameterError):  # refused below, for this flag
-            chosen = _integer_activations_format(dtype, quantization, kernels)
-            if isinstance(chosen.head, KernelWeightFormat):
-                return chosen
-    formats = {"none": (NativeFormat.row_invariant, NativeFormat),
-               "int8": (NativeInt8Format.supports, NativeInt8Format),
-               "int4": (NativeInt4Format.supports, NativeInt4Format)}
-    if quantization in formats and device.type == "cpu":
-        supports, native = formats[quantization]
-        if supports(dtype, kernels):
-            return native(kernels)
-    raise InvalidParameterError(
-        f"--batch-invariant needs the native linear kernels for {str(dtype).removeprefix('torch.')}"
-        f" (quantization {quantization}): bfloat16 on a CPU with AVX512-BF16, float32 on one "
-        "with AVX2 and FMA but no AVX-512, and kernels auto or native", "batch_invariant")

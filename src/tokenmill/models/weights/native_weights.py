@@ -151,7 +151,7 @@ class NativeInt8Weight(ScaledWeight):
 class NativeInt8GroupWeight(ScaledWeight):
     """int8 weights with one float32 scale per ``group`` inputs of a row, ``w = q * scale``:
     ``groups`` is ``(q [out, in] int8, scales [out, in / group] float32)``, a GGUF file's own
-    blocks (``gguf_blocks.FileRows.int8_groups``: Q8_0 and Q5_0 in groups of 32, Q6_K and
+    blocks (``gguf.blocks.FileRows.int8_groups``: Q8_0 and Q5_0 in groups of 32, Q6_K and
     Q3_K of 16). Packed as ``NativeInt8Weight``'s ``q``, for ``int8_group_linear``
     (bfloat16 activations: each group's float32 sum of ``x q`` times its scale) or
     ``int8_group_f32_linear`` (float32: ``x`` times the weights ``q * scale``, which float32

@@ -2,7 +2,7 @@
 
 Each class converts one plain ``[out, in]`` weight (and its bias) once and then computes
 ``x @ W.T + bias`` (``__call__``) and ``residual + x @ W.T + bias`` (``add``), as
-``kernels.linear``'s native ones do.
+``native_weights``' do.
 """
 
 from __future__ import annotations
