@@ -15,7 +15,8 @@ and must stay free of torch, models and kernels.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from tokenmill.core.records import FinishReason, SchedulerStats, pickled_by_fields
 from tokenmill.core.types import EngineCoreOutputs
@@ -55,3 +56,4 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int  # the model's output rows (the tokenizer may name fewer ids)
     kv_cache_tokens: int  # KV blocks * block size
+    pid: int = field(default_factory=os.getpid)  # the engine's process: the one building this

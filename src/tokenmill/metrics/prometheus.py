@@ -13,15 +13,20 @@ Invariants:
   state changes and read 0 as soon as a zero record arrives.
 - ``request_success_total`` and ``admission_rejections_total`` pre-create every known
   label value at 0, so ``rate()`` works before the first event.
+- Outside the table, ``tokenmill_process_resident_memory_bytes`` is read from ``/proc``
+  at each scrape (``metrics.process_memory``): this process as ``http``, and the engine
+  process as ``engine`` when its pid is given.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import prometheus_client as prom
 
 from tokenmill.core.records import FinishReason, IterationStats, SchedulerStats
+from tokenmill.metrics.process_memory import ProcessMemoryCollector
 from tokenmill.metrics.stats import RequestStats
 
 REJECTION_REASONS = ("max_num_queued_requests", "max_num_queued_tokens")
@@ -181,6 +186,7 @@ class PrometheusMetrics:
         model_name: str,
         registry: prom.CollectorRegistry | None = None,
         vllm_names: bool = False,
+        engine_pid: int | None = None,
     ) -> None:
         self.model_name = model_name
         self.vllm_names = vllm_names
@@ -196,6 +202,8 @@ class PrometheusMetrics:
             self._metrics[spec.key] = [self._declare(spec, name) for name in names]
             if spec.label is None:
                 self._plain[spec.key] = self._children(spec.key)
+        pids = {"http": os.getpid()} | ({} if engine_pid is None else {"engine": engine_pid})
+        self.registry.register(ProcessMemoryCollector(model_name, pids))
 
     def _declare(self, spec: MetricSpec, name: str) -> prom.metrics.MetricWrapperBase:
         labels = ["model_name"] + ([spec.label] if spec.label else [])

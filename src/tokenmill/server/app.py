@@ -54,7 +54,8 @@ def build_server(server: ServerConfig, config: EngineConfig, conn: Connection,
     server = dataclasses.replace(server,
                                  served_model_name=server.served_model_name or info.model_name)
     name = server.served_model_name
-    metrics = PrometheusMetrics(name, vllm_names=server.metrics_vllm_names)
+    metrics = PrometheusMetrics(name, vllm_names=server.metrics_vllm_names,
+                                engine_pid=info.pid)
     stats = server.stats
     stat_logger = StatLogger(name, server.log_stats_interval,
                              speculative=config.speculative_ngram > 0) if stats else None

@@ -1,0 +1,45 @@
+"""The resident memory of the server's processes, read from ``/proc`` when ``/metrics`` is
+scraped: ``tokenmill_process_resident_memory_bytes{process="http"|"engine"}``.
+
+The engine's value is its own process's, read by pid from the HTTP process, so nothing
+crosses the engine pipe and nothing runs on the engine's step. A process whose
+``/proc/<pid>/statm`` cannot be read (it exited; a system without ``/proc``) has no sample.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+NAME = "tokenmill_process_resident_memory_bytes"
+DOC = "Resident memory (RSS) of the server's processes, by process: http or engine."
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+def resident_bytes(pid: int) -> int | None:
+    """``pid``'s resident set size in bytes (``/proc/<pid>/statm``'s second field, in pages),
+    or None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class ProcessMemoryCollector(Collector):
+    """One gauge sample per process in ``pids`` (label value -> pid), read at each scrape."""
+
+    def __init__(self, model_name: str, pids: dict[str, int]) -> None:
+        self.model_name = model_name
+        self.pids = pids
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(NAME, DOC, labels=["model_name", "process"])
+        for process, pid in self.pids.items():
+            rss = resident_bytes(pid)
+            if rss is not None:
+                family.add_metric([self.model_name, process], rss)
+        yield family
