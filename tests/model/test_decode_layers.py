@@ -1,32 +1,68 @@
-"""``DecodeLayers``: a batch of decodes through every layer in one native call gives the
-logits and the KV cache the layer modules give, bit for bit, in every weight format this
-host runs, also where the call splits many sequences between its threads, and so does a
+"""``DecodeLayers`` (``NativeKernels.decode_layers``): a batch of decodes through every
+layer in one native call gives the logits and the KV cache the layer modules give, bit for
+bit, for every family whose graph it runs, in both dtypes and every quantization this host
+runs (where a quantization's weight format is not the native kernels', the model takes the
+modules), also where the call splits many sequences between its threads, and so does a
 batch with prompt rows where the native prefill attention takes them; models it cannot run
-take the modules."""
+take the modules.
+
+An option this host runs (``quantization_hosts.runs_here``, from the kernels' capabilities,
+before building) that the loader refuses fails the test; only an option the host cannot run
+is skipped."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 from paged_runner import PagedRunner
 
+from quantization_hosts import runs_here
 from tiny_model import make_tiny_model_dir
-from tokenmill.errors import InvalidParameterError
+from tokenmill.kernels import KernelUnavailableError
+from tokenmill.kernels.native import split_rows_per_thread
 from tokenmill.models.attention.native import NativePrefill
-from tokenmill.models.families.llama import split_rows_per_thread
 from tokenmill.models.loader import load_model
-from tokenmill.models.weights.quantizations import resolve_dtype
+from tokenmill.models.weights.formats import KernelWeightFormat
+from tokenmill.models.weights.quantizations import choose_weight_format, resolve_dtype
 
 CPU = torch.device("cpu")
 QUANTIZATIONS = ("none", "int8", "int4", "w4a8", "w8a8")
+# the families whose graph the native call runs (Qwen3's QK-norm and Gemma 3's layers it
+# does not: see test_qk_norm_takes_the_modules)
+FAMILIES = ("llama", "qwen2", "mistral", "phi3")
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def load(model_dir: str, quantization: str, kernels):
+def load(model_dir: str, quantization: str, kernels, dtype: torch.dtype | None = None):
+    """The model in ``dtype`` (default: ``--dtype auto``'s for the quantization); skipped
+    only where the host cannot run the quantization in that dtype (``runs_here``), so a
+    refusal where it can fails."""
+    dtype = resolve_dtype("auto", CPU, quantization) if dtype is None else dtype
+    if not runs_here(quantization, dtype, None if kernels is None else kernels.capabilities):
+        pytest.skip(f"this CPU has no kernel for --quantization {quantization} in {dtype}")
+    return load_model(model_dir, dtype, CPU, quantization, kernels=kernels)[0]
+
+
+def fused_call_applies(quantization: str, dtype: torch.dtype, kernels) -> bool:
+    """Whether every projection of the model takes a native kernel here (the weight
+    format the table of quantizations chooses is the native kernels'), which the fused
+    call needs."""
+    return isinstance(choose_weight_format(dtype, CPU, quantization, kernels),
+                      KernelWeightFormat)
+
+
+def load_fused(model_dir: str, quantization: str, kernels):
+    """``load`` in ``--dtype auto``'s dtype, where the fused call applies to the model
+    (skipped elsewhere: ``test_one_native_call_equals_the_layer_modules`` covers that the
+    modules run there); the model has it."""
     dtype = resolve_dtype("auto", CPU, quantization)
-    try:
-        model, _ = load_model(model_dir, dtype, CPU, quantization, kernels=kernels)
-    except InvalidParameterError as error:
-        pytest.skip(f"--quantization {quantization} does not run here: {error}")
+    if (runs_here(quantization, dtype, kernels.capabilities)
+            and not fused_call_applies(quantization, dtype, kernels)):
+        pytest.skip(f"--quantization {quantization} in {dtype} takes PyTorch's kernels here")
+    model = load(model_dir, quantization, kernels, dtype)
+    assert model.decode_layers is not None
     return model
 
 
@@ -113,7 +149,7 @@ def test_batches_with_prompt_rows_through_one_native_call_equal_the_layer_module
     they take the modules. Either way the logits and caches are the modules' bit for bit."""
     model_dir = make_tiny_model_dir(tmp_path, hidden_size=128, num_attention_heads=2,
                                     num_key_value_heads=1)
-    model = load(model_dir, quantization, native)
+    model = load_fused(model_dir, quantization, native)
     native_logits, native_caches, mixed = mixed_steps(model, True, kv_int8)
     module_logits, module_caches, _ = mixed_steps(model, False, kv_int8)
     assert mixed == (3 if isinstance(model.attentions[0].prefill, NativePrefill) else 0)
@@ -124,11 +160,15 @@ def test_batches_with_prompt_rows_through_one_native_call_equal_the_layer_module
         assert torch.equal(ours, theirs)
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral", "phi3"])
+@pytest.mark.parametrize("variant", FAMILIES)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
-def test_one_native_call_equals_the_layer_modules(tiny_model_dir, native, variant,
+def test_one_native_call_equals_the_layer_modules(tiny_model_dir, native, variant, dtype,
                                                   quantization):
-    model = load(tiny_model_dir(variant), quantization, native)
+    model = load(tiny_model_dir(variant), quantization, native, DTYPES[dtype])
+    if not fused_call_applies(quantization, DTYPES[dtype], native):
+        assert model.decode_layers is None  # PyTorch's kernels: the modules run
+        return
     assert model.decode_layers is not None
     native_logits, native_caches = decode_steps(model, native=True)
     module_logits, module_caches = decode_steps(model, native=False)
@@ -147,7 +187,7 @@ def test_sequences_split_between_threads_equal_the_layer_modules(tiny_model_dir,
     where the linear kernels use AMX tiles the call never splits, and the same batches
     check that); a verification's rows, which attend to each other's keys and values,
     do not split."""
-    model = load(tiny_model_dir(variant), quantization, native)
+    model = load_fused(tiny_model_dir(variant), quantization, native)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -167,7 +207,7 @@ def test_an_8_bit_cache_through_one_native_call_equals_the_layer_modules(
         tiny_model_dir, native, quantization):
     """The same with the KV cache in 8-bit rows: a few sequences, and enough of them that
     each of two threads takes its own share."""
-    model = load(tiny_model_dir("llama"), quantization, native)
+    model = load_fused(tiny_model_dir("llama"), quantization, native)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -193,7 +233,7 @@ def test_a_thread_done_early_takes_half_of_another_threads_rows(tmp_path, native
     rows = split_rows_per_thread(native.capabilities)
     if not rows:
         pytest.skip("the linear kernels use AMX tiles here: the call never splits")
-    model = load(make_tiny_model_dir(tmp_path, num_hidden_layers=8), "none", native)
+    model = load_fused(make_tiny_model_dir(tmp_path, num_hidden_layers=8), "none", native)
     streams, long_prompt = 2 * rows, 400
     prompts = [(s, [10 + (s + i) % 90 for i in range(1 if s < rows else long_prompt)])
                for s in range(streams)]
@@ -236,4 +276,16 @@ def test_qk_norm_takes_the_modules(tiny_model_dir, native):
 
 def test_pytorch_kernels_take_the_modules(tiny_model_dir):
     model = load(tiny_model_dir("llama"), "none", None)
+    assert model.decode_layers is None
+
+
+def test_a_build_without_the_fused_call_takes_the_modules(tiny_model_dir, native):
+    """The fused call is reached through the kernel door alone: where the capabilities
+    record has no ``decode_layers``, the door refuses it and the model runs its modules."""
+    without = dataclasses.replace(native, capabilities=dataclasses.replace(
+        native.capabilities, decode_layers=False))
+    with pytest.raises(KernelUnavailableError):
+        without.decode_layers(1e-6, 2, 1, 64, 0.125, 0)
+    assert native.capabilities.decode_layers
+    model = load(tiny_model_dir("llama"), "none", without)
     assert model.decode_layers is None

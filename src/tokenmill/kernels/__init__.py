@@ -8,6 +8,7 @@ The one door to them::
     kernels.rms_norm(x, weight, eps)            # the ops every build has, bound once
     kernels.prefill_attention(dtype, head_dim)  # a CPU-dependent one, where capable
     kernels.linear_kernels(dtype)               # the linear ops for dtype, where capable
+    kernels.decode_layers(eps, heads, ...)      # a decoder stack's step in one call
 
 ``build`` compiles the ``.cpp`` files here (or loads the cached build), ``capabilities``
 records what the build holds, ``signatures`` types the ops (``models.weights`` packs

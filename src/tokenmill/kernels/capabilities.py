@@ -1,10 +1,10 @@
 """What the native kernels can do on this CPU, as this build compiled them.
 
 Every build has the kernels for attention over decodes, RMSNorm, the SiLU gate, rotary
-embedding with the KV store, sampling and logprobs. The others exist only where
-``-march=native`` gives the compiler the instructions they are written in (each ``.cpp``
-compiles them under an ``#if`` on those): ``KernelCapabilities`` records which, once, and
-everything that chooses a kernel asks it.
+embedding with the KV store, sampling and logprobs, and the fused decode layers. The
+others exist only where ``-march=native`` gives the compiler the instructions they are
+written in (each ``.cpp`` compiles them under an ``#if`` on those): ``KernelCapabilities``
+records which, once, and everything that chooses a kernel asks it.
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ class KernelCapabilities:
     amx: bool
     """The CPU has AMX-BF16 tiles: PyTorch's attention multiplies a prefill's rows with
     them (faster than the native prefill attention)."""
+    decode_layers: bool
+    """``DecodeLayers``, a Llama decoder stack's step in one call (``decode_layers.cpp``:
+    every build has it; it calls the other ops, each where this record has it)."""
     linear_tiles: bool
     """``bf16_linear`` multiplies on AMX tiles (a build for an AMX CPU whose kernel grants
     this process the tiles); without them, on an AMX CPU oneDNN's bfloat16 kernels are
@@ -62,7 +65,7 @@ class KernelCapabilities:
                    prefill_attention_head_dims=(
                        PREFILL_HEAD_DIMS if hasattr(ops, "paged_prefill_attention")
                        else frozenset()),
-                   amx=cpu_has_amx(),
+                   amx=cpu_has_amx(), decode_layers=_has_class("DecodeLayers"),
                    linear_tiles=bf16 and ops.bf16_linear_uses_tiles())
 
     def linear(self, dtype: torch.dtype) -> bool:
@@ -83,3 +86,12 @@ class KernelCapabilities:
     def prefill_attention(self, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether the prefill attention kernel computes ``dtype`` heads of ``head_dim``."""
         return dtype == torch.bfloat16 and head_dim in self.prefill_attention_head_dims
+
+
+def _has_class(name: str) -> bool:
+    """Whether the loaded build registers the class ``torch.classes.tokenmill.<name>``."""
+    try:
+        getattr(torch.classes.tokenmill, name)
+    except RuntimeError:
+        return False
+    return True

@@ -119,7 +119,7 @@ class Int8GroupLinear(Protocol):
     def __call__(self, x: Tensor, packed: Tensor, scales: Tensor, out_features: int,
                  bias: Tensor | None, residual: Tensor | None) -> Tensor:
         """``FloatLinear`` over int8 weights times one float32 scale per 16 or 32 inputs of a
-        row, the group size ``K / scales.shape[1]`` (``linear.NativeInt8GroupWeight``'s
+        row, the group size ``K / scales.shape[1]`` (``native_weights.NativeInt8GroupWeight``'s
         layout)."""
         ...
 
@@ -128,7 +128,7 @@ class Int4Linear(Protocol):
     def __call__(self, x: Tensor, packed: Tensor, scales: Tensor, mins: Tensor,
                  out_features: int, bias: Tensor | None, residual: Tensor | None) -> Tensor:
         """``FloatLinear`` over 4-bit weights, ``q * scale + min`` per 32 inputs of a row
-        (``linear.NativeInt4Weight``'s layout)."""
+        (``native_weights.NativeInt4Weight``'s layout)."""
         ...
 
 
@@ -137,8 +137,8 @@ class W4A8Linear(Protocol):
                  bias: Tensor | None, residual: Tensor | None) -> Tensor:
         """``FloatLinear`` over 4-bit weights with ``x`` quantized to int8 per group of 32
         inputs (the weights' groups, whose values are centred on 8 against the rounding):
-        ``linear.NativeW4A8Weight``'s layout (float32 ``x``) or
-        ``linear.NativeVnniW4A8Weight``'s (bfloat16 or float32)."""
+        ``native_weights.NativeW4A8Weight``'s layout (float32 ``x``) or
+        ``native_weights.NativeVnniW4A8Weight``'s (bfloat16 or float32)."""
         ...
 
 
@@ -146,6 +146,43 @@ class W8A8Linear(Protocol):
     def __call__(self, x: Tensor, packed: Tensor, scales: Tensor, out_features: int,
                  bias: Tensor | None, residual: Tensor | None) -> Tensor:
         """``FloatLinear`` over int8 weights times one float32 scale per output row
-        (``linear.NativeW8A8Weight``'s layout), with ``x`` quantized to int8 per block of
+        (``native_weights.NativeW8A8Weight``'s layout), with ``x`` quantized to int8 per block of
         64 inputs (32 where ``K`` is not a multiple of 64)."""
+        ...
+
+
+class DecodeLayers(Protocol):
+    """A Llama decoder stack bound layer by layer (``decode_layers.cpp``): one call runs a
+    step's rows through every layer with the kernels, and the arguments, the layer modules
+    call one by one, so its outputs equal theirs bit for bit."""
+
+    def add_layer(self, input_norm: Tensor, post_norm: Tensor, gate_after: bool) -> None:
+        """The next layer's two RMSNorm weights; ``gate_after``: ``silu_and_mul`` follows
+        its gate/up projection (whose kernel does not gate). Its four projections follow."""
+        ...
+
+    def add_linear(self, op_name: str, weight_args: list, trailing_args: list) -> None:
+        """The current layer's next projection (qkv, o, gate/up, down): its op's qualified
+        name and its arguments but ``x`` and the residual (``native_weights.KernelCall``)."""
+        ...
+
+    def run(self, h: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[Tensor],
+            slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor,
+            one_per_sequence: bool) -> Tensor:
+        """The hidden states ``h [T, H]`` of a batch of decode rows after every layer,
+        writing each layer's keys and values into ``kv_caches``; ``one_per_sequence``: one
+        row a sequence (the rows may then split between threads by sequence)."""
+        ...
+
+    def run_mixed(self, h: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[Tensor],
+                  slot_mapping: Tensor, decode_rows: Tensor | None,
+                  decode_tables: Tensor | None, decode_lens: Tensor | None,
+                  prefill_tables: Tensor, query_ranges: Tensor, prefill_lens: Tensor,
+                  blocks: Tensor, renumbered: Tensor) -> Tensor:
+        """``run`` for a batch with prompt rows, which take the prefill attention
+        (``NativePrefillPlan``'s arguments); the decode rows, where any, theirs."""
+        ...
+
+    def handover_count(self) -> int:
+        """How many times a thread has handed half of its rows to one done early."""
         ...

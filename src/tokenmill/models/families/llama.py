@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.kernels import KernelCapabilities
+from tokenmill.kernels.signatures import DecodeLayers
 from tokenmill.models.attention.backend import AttentionBackend, AttentionPlan
 from tokenmill.models.attention.native import NativeAttention, NativePrefillPlan
 from tokenmill.models.causal_lm import PagedCausalLM
@@ -111,10 +111,11 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(PagedCausalLM):
     """Llama / Qwen2 / Qwen3 / Mistral / Phi-3 causal LM over a paged KV cache (see
-    ``PagedCausalLM``). After ``pack``, ``decode_layers`` (where ``native_decode_layers``
-    builds it) runs a batch of decodes alone through every layer in one native call, and a
-    batch with prompt tokens too where the native prefill attention takes them; setting it
-    to None runs them layer module by layer module (the same ops, the same outputs)."""
+    ``PagedCausalLM``). After ``pack``, ``decode_layers`` (the native kernels' fused decode
+    call, where ``native_decode_layers`` builds it) runs a batch of decodes alone through
+    every layer in one call, and a batch with prompt tokens too where the native prefill
+    attention takes them; setting it to None runs them layer module by layer module (the
+    same ops, the same outputs)."""
 
     model_class = LlamaModel
     decode_layers = None
@@ -144,25 +145,16 @@ class LlamaForCausalLM(PagedCausalLM):
         return h
 
 
-def split_rows_per_thread(capabilities: KernelCapabilities) -> int:
-    """Decode rows a thread needs before ``DecodeLayers`` gives each thread its own share
-    of the sequences (0: never). Each thread then reads every weight itself, so a share
-    pays only where its rows' products take longer than reading the weights: 16 a thread
-    where the linear kernels multiply with AVX-512 or AVX2 (on a Zen 4 host, 8 a thread was
-    2-8% slower than no split at 16 sequences, 16 a thread 1-10% faster at 32 and 64);
-    never where they multiply on AMX tiles, several times faster a row (not measured)."""
-    return 0 if capabilities.linear_tiles else 16
-
-
-def native_decode_layers(model: LlamaForCausalLM) -> torch.ScriptObject | None:
-    """The native kernels' ``DecodeLayers`` (``kernels/decode_layers.cpp``, in every build
-    of them) bound to the packed model's layers, or None where a layer takes a step it
-    does not: an attention backend other than the native kernels' (or more than one:
-    every layer must share one plan), QK-norm, a norm or gate by PyTorch's ops (or
-    GELU's), or a projection whose packed weight is not one kernel call
+def native_decode_layers(model: LlamaForCausalLM) -> DecodeLayers | None:
+    """The native kernels' ``DecodeLayers`` (``NativeKernels.decode_layers``, where
+    ``capabilities.decode_layers``) bound to the packed model's layers, or None where a
+    layer takes a step it does not: an attention backend other than the native kernels'
+    (or more than one: every layer must share one plan), QK-norm, a norm or gate by
+    PyTorch's ops (or GELU's), or a projection whose packed weight is not one kernel call
     (``KernelWeight``)."""
-    attentions, layers, ops = model.attentions, model.model.layers, torch.ops.tokenmill
-    if (len(attentions) != 1 or not isinstance(attentions[0], NativeAttention)
+    kernels, attentions, layers = model.kernels, model.attentions, model.model.layers
+    if (kernels is None or not kernels.capabilities.decode_layers
+            or len(attentions) != 1 or not isinstance(attentions[0], NativeAttention)
             or model.config.qk_norm
             or any(type(layer) is not LlamaDecoderLayer for layer in layers)):
         return None
@@ -170,15 +162,14 @@ def native_decode_layers(model: LlamaForCausalLM) -> torch.ScriptObject | None:
     norms = [(layer.input_layernorm, layer.post_attention_layernorm) for layer in layers]
     linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                 layer.mlp.down_proj) for layer in layers]
-    if not (all(norm.rms_norm_op is ops.rms_norm for pair in norms for norm in pair)
+    if not (all(norm.rms_norm_op is kernels.rms_norm for pair in norms for norm in pair)
             and all(isinstance(p.packed, KernelWeight) for four in linears for p in four)
-            and all(four[2].fused or four[2].act_and_mul is ops.silu_and_mul
+            and all(four[2].fused or four[2].act_and_mul is kernels.silu_and_mul
                     for four in linears)):
         return None
-    stack = torch.classes.tokenmill.DecodeLayers(
-        model.config.rms_norm_eps, attention.num_heads, attention.num_kv_heads,
-        attention.head_dim, attention.scale, attention.decode.window,
-        split_rows_per_thread(model.kernels.capabilities))
+    stack = kernels.decode_layers(model.config.rms_norm_eps, attention.num_heads,
+                                  attention.num_kv_heads, attention.head_dim, attention.scale,
+                                  attention.decode.window)
     for (input_norm, post_norm), four in zip(norms, linears, strict=True):
         stack.add_layer(input_norm.weight.data, post_norm.weight.data, not four[2].fused)
         for projection in four:
