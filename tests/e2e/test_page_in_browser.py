@@ -1,9 +1,18 @@
 """The page in headless Chromium against a real server with an API key: it asks for the
 key, streams a chat with a growing token count, stops it, shows the request as aborted
 on the timeline, and renders a hostile prompt as text. Screenshots go to
-``test-artifacts/`` (or $TOKENMILL_TEST_ARTIFACTS)."""
+``test-artifacts/`` (or $TOKENMILL_TEST_ARTIFACTS).
+
+The stop test does not race the model: the engine process is held stopped (SIGSTOP) and
+computes only in short slices the test grants until the page shows what it waits for, so
+the reply cannot reach its ``max_tokens`` before the click, however fast or slow the host.
+"""
 
 from __future__ import annotations
+
+import os
+import signal
+import time
 
 import httpx
 import pytest
@@ -78,6 +87,47 @@ def send(driver, prompt: str, max_tokens: int) -> None:
     by_id(driver, "send").click()
 
 
+class EngineClock:
+    """The server's engine process, stopped (SIGSTOP) but for the slices ``run_until``
+    grants; resumed for good on leaving the ``with`` block."""
+
+    def __init__(self, server: ServerProcess) -> None:
+        pid = server.process.pid
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = f.read().split()
+        self.pid = next(int(c) for c in children if b"spawn_main" in _cmdline(int(c)))
+
+    def __enter__(self) -> EngineClock:
+        os.kill(self.pid, signal.SIGSTOP)
+        return self
+
+    def __exit__(self, *_) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+    def run_until(self, driver, condition, message: str, slice_s: float = 0.02,
+                  timeout: float = 60.0) -> None:
+        """Let the engine run ``slice_s`` at a time until the page shows ``condition``
+        (each slice's tokens given half a second to reach the page)."""
+        from selenium.common.exceptions import TimeoutException
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            os.kill(self.pid, signal.SIGCONT)
+            time.sleep(slice_s)
+            os.kill(self.pid, signal.SIGSTOP)
+            try:
+                wait_for(driver, condition, timeout=0.5)
+                return
+            except TimeoutException:
+                continue
+        raise AssertionError(message)
+
+
+def _cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
+
+
 def timeline_status(driver, request_id: str) -> str | None:
     return js(driver, "const r = [...document.querySelectorAll('.tl-row')]"
                       ".find(r => r.dataset.requestId === arguments[0]);"
@@ -91,16 +141,18 @@ def test_chat_streams_then_stop_aborts_and_the_timeline_shows_it(driver, ui_serv
     enter_key(driver, KEY)
     wait_for(driver, lambda d: by_id(d, "model-name").text == "tiny", message="no model name")
 
-    send(driver, "Tell me a story about a robot who learns to paint.", 400)
-    wait_for(driver, lambda d: tokens(d) >= 5 and last_reply(d)["text"],
-             message="no streamed text")
-    first_count, first_text = tokens(driver), last_reply(driver)["text"]
-    wait_for(driver, lambda d: tokens(d) > first_count + 3, message="token count not growing")
-    assert last_reply(driver)["text"].startswith(first_text)
-    by_id(driver, "stop").click()
-    wait_for(driver, lambda d: last_reply(d)["outcome"] == "stopped", message="not stopped")
-    reply = last_reply(driver)
-    shown = tokens(driver)
+    with EngineClock(ui_server) as engine:
+        send(driver, "Tell me a story about a robot who learns to paint.", 400)
+        engine.run_until(driver, lambda d: tokens(d) >= 5 and last_reply(d)["text"],
+                         "no streamed text")
+        first_count, first_text = tokens(driver), last_reply(driver)["text"]
+        engine.run_until(driver, lambda d: tokens(d) > first_count + 3,
+                         "token count not growing")
+        assert last_reply(driver)["text"].startswith(first_text)
+        by_id(driver, "stop").click()
+        wait_for(driver, lambda d: last_reply(d)["outcome"] == "stopped", message="not stopped")
+        reply = last_reply(driver)
+        shown = tokens(driver)
     assert first_count < shown < 400
     save_screenshot(driver, "page-chat.png")
 
