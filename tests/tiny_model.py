@@ -1,12 +1,13 @@
 """A tiny random-weight model folder with a real (small) tokenizer, for tests.
 
 ``make_tiny_model_dir(path, arch, **overrides)`` (``arch`` one of ``ARCHITECTURES``: llama,
-qwen2, qwen3, mistral, phi3, gemma3) writes, with fixed seeds:
+qwen2, qwen3, mistral, phi3, gemma3, qwen3_moe, qwen2_moe) writes, with fixed seeds:
 
 - ``config.json`` + ``model.safetensors`` from ``transformers`` (2 layers, hidden 64, 4 heads,
   2 KV heads, vocab 512, tied embeddings; the head size is the config class's default:
   hidden / heads, but 128 for Qwen3 and 256 for Gemma 3; norm weights and biases perturbed
-  so that they matter; ``overrides`` replace any config field);
+  so that they matter; the MoE architectures with ``TINY_EXPERTS``; ``overrides`` replace
+  any config field);
 - a byte-level BPE tokenizer trained on the English text below (vocab 400 <= model vocab),
   special tokens ``<|endoftext|>`` (id 0, bos/pad), ``<|im_start|>`` (1), ``<|im_end|>``
   (2, eos), and a ChatML chat template that renders tools (by name only: the tokenizer
@@ -36,8 +37,12 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 # arch name -> (config class, model class)
@@ -48,7 +53,11 @@ ARCHITECTURES = {
     "mistral": (MistralConfig, MistralForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
 }
+# The experts of the mixture-of-experts architectures' tiny models: 8 of width 32, 2 per token
+TINY_EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
 # Llama 3.1-style rope scaling with a small original context, so tiny prompts feel it.
 LLAMA3_ROPE = {
@@ -138,6 +147,8 @@ def tiny_config(arch: str = "llama", **overrides) -> PretrainedConfig:
         eos_token_id=2,
         pad_token_id=0,
     )
+    if arch.endswith("_moe"):
+        fields.update(TINY_EXPERTS)
     fields.update(overrides)
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch must be one of {', '.join(ARCHITECTURES)}, got {arch!r}")

@@ -33,6 +33,9 @@ TINY_VARIANTS = {
     "mistral_no_window": ("mistral", {"sliding_window": None}),
     "gemma3_pattern6": ("gemma3", {"num_hidden_layers": 6, "head_dim": 32,
                                    "query_pre_attn_scalar": 32, "sliding_window": 8}),
+    # experts renormalised (as llama.cpp's qwen3moe); a shared expert and a dense layer
+    "qwen3_moe": ("qwen3_moe", {"norm_topk_prob": True}),
+    "qwen2_moe": ("qwen2_moe", {"shared_expert_intermediate_size": 48, "mlp_only_layers": [1]}),
 }
 
 

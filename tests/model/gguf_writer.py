@@ -8,7 +8,10 @@ pattern and its rotary base go in the metadata, as the converter writes them (th
 too, which the converter leaves to llama.cpp's default); ``arch="phi3"`` keeps its fused
 projections under ``attn_qkv`` and ``ffn_up``. For the
 types the gguf package cannot quantize (the K-quants), or on request, matrices are
-``random_blocks`` of the type instead of the model's weights.
+``random_blocks`` of the type instead of the model's weights. For ``arch="qwen3moe"`` or
+``"qwen2moe"`` each layer's experts are stacked into 3-D ``ffn_*_exps`` tensors (quantized
+as its matrices) and the expert counts and widths go in the metadata; the shared expert's
+gate is written as a vector, as llama.cpp's model holds it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,14 @@ LAYER_NAMES = {
     "mlp.down_proj": "ffn_down",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.experts.gate_proj": "ffn_gate_exps",
+    "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 ARCH_LAYER_NAMES = {
     "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
@@ -133,6 +144,22 @@ def llama3_rope_factors(cfg: dict, head_dim: int) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
+def stacked_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with each layer's ``mlp.experts.E.<projection>.weight`` stacked in
+    expert order into one ``mlp.experts.<projection>.weight`` ``[experts, rows, cols]``."""
+    out, experts = {}, {}
+    for name, tensor in state.items():
+        parts = name.split(".")
+        if parts[3:5] == ["mlp", "experts"]:
+            stacked = ".".join([*parts[:5], *parts[6:]])
+            experts.setdefault(stacked, {})[int(parts[5])] = tensor
+        else:
+            out[name] = tensor
+    for name, by_index in experts.items():
+        out[name] = torch.stack([by_index[i] for i in range(len(by_index))])
+    return out
+
+
 def write_gguf(
     hf_dir: str, out_path: str, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
     arch: str = "llama", overrides: dict[str, GGMLQuantizationType] | None = None,
@@ -168,11 +195,31 @@ def write_gguf(
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
+    if arch.endswith("moe"):
+        writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if rope["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg, head_dim))
     stored = {}
-    for name, tensor in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+    for name, tensor in stacked_experts(
+            load_file(os.path.join(hf_dir, "model.safetensors"))).items():
         data = tensor.float().numpy()
+        if data.ndim == 3:  # experts: quantized as the matrices, stored per expert
+            kind = (overrides or {}).get(gguf_name(name, arch), qtype)
+            packed = quantize(data.reshape(-1, data.shape[2]), kind)
+            values = dequantize(packed, kind).reshape(data.shape)
+            for expert, matrix in enumerate(values):
+                parts = name.split(".")
+                per_expert = ".".join([*parts[:5], str(expert), *parts[5:]])
+                stored[per_expert] = torch.from_numpy(np.array(matrix, dtype=np.float32))
+            writer.add_tensor(gguf_name(name, arch), packed.reshape(*data.shape[:2], -1),
+                              raw_dtype=kind)
+            continue
+        if name.endswith("shared_expert_gate.weight"):
+            data = data.reshape(-1)
         target = gguf_name(name, arch)
         kind = (overrides or {}).get(target, qtype if data.ndim == 2 else GGMLQuantizationType.F32)
         if data.ndim == 2 and (random or kind not in QUANTIZERS):

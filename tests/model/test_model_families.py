@@ -246,6 +246,16 @@ def test_gguf_matches_hf(tiny_model_dir, tmp_path, variant, arch):
 LLAMA_CPP = Path(os.environ.get("PEERS", Path.home() / ".cache/tokenmill-peers")) / "llama.cpp"
 
 
+def llama_cpp_convert(model_dir: str, path: str) -> str:
+    """``model_dir`` converted by llama.cpp's converter into a float32 GGUF file ``path``."""
+    subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("llama_cpp_convert.py")),
+         str(LLAMA_CPP), model_dir, "--outfile", path, "--outtype", "f32"],
+        check=True, capture_output=True, timeout=300,
+    )
+    return path
+
+
 @pytest.mark.skipif(not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file(),
                     reason=f"no llama.cpp source tree (convert_hf_to_gguf.py) at {LLAMA_CPP}; "
                            "set PEERS to the folder holding llama.cpp/")
@@ -254,12 +264,7 @@ def test_llama_cpp_converted_gguf_matches_hf(tiny_model_dir, tmp_path, variant):
     """Files made by llama.cpp's own converter load as the same model. (Gemma's converter
     keeps only the tokenizer's rows of the embedding: the logits compared are those.)"""
     model_dir = tiny_model_dir(variant)
-    path = str(tmp_path / "m.gguf")
-    subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("llama_cpp_convert.py")),
-         str(LLAMA_CPP), model_dir, "--outfile", path, "--outtype", "f32"],
-        check=True, capture_output=True, timeout=300,
-    )
+    path = llama_cpp_convert(model_dir, str(tmp_path / "m.gguf"))
     ours, config = load_model(path, torch.float32, CPU)
     hf_config = load_model(model_dir, torch.float32, CPU)[1]
     assert config.layer_types == hf_config.layer_types

@@ -82,11 +82,7 @@ class PagedCausalLM(nn.Module):
         self._tied_head_rows: FileRows | None = None
         q = config.num_attention_heads * config.head_dim
         kv = config.num_key_value_heads * config.head_dim
-        inter = config.intermediate_size
-        self._shard_rows = {
-            "qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
-            "gate_up_proj": [(0, inter), (inter, 2 * inter)],
-        }
+        self._qkv_rows = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
         self.model = self.model_class(config, dtype, device, self.layer_attentions,
                                       layer_ops(kernels), weight_format)
 
@@ -181,7 +177,7 @@ class PagedCausalLM(nn.Module):
                 raise ModelLoadError(f"unexpected weight {name!r} for {self.config.architecture}")
             dst, lo = param.data, 0
             if shard is not None:
-                lo, hi = self._shard_rows[target.split(".")[-2]][shard]
+                lo, hi = self._shard(target.split(".")[-2], dst.shape[0], shard)
                 dst = dst[lo:hi]
             if dst.shape != tensor.shape:
                 raise ModelLoadError(
@@ -200,6 +196,15 @@ class PagedCausalLM(nn.Module):
         if missing:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise ModelLoadError(f"missing weights: {', '.join(missing[:3])}{more}")
+
+    def _shard(self, fused: str, rows: int, shard: int) -> tuple[int, int]:
+        """The rows of shard ``shard`` of the fused projection ``fused`` (``rows`` rows):
+        q, k or v of ``qkv_proj``; a half of ``gate_up_proj``, whatever its MLP's width (a
+        mixture's experts are narrower than a dense MLP)."""
+        if fused == "qkv_proj":
+            return self._qkv_rows[shard]
+        half = rows // 2
+        return shard * half, (shard + 1) * half
 
     def expected_weight_names(self) -> set[str]:
         """The Hugging Face names of every tensor ``load_weights`` must receive."""

@@ -20,6 +20,11 @@ attends to the last ``sliding_window`` positions only (a query at position ``p``
   ``original_max_position_embeddings`` (Llama 3.1+ frequency smoothing);
 - ``"freq_factors"``: ``factors``, one divisor per frequency (what a GGUF file stores in its
   ``rope_freqs`` tensor in place of the llama3 parameters).
+
+Mixture of experts (``num_experts > 0``, a ``ModelFamily.moe`` family): the MLP of every
+layer but ``dense_mlp_layers`` routes each token to its top ``num_experts_per_tok`` of
+``num_experts`` gated MLPs of ``moe_intermediate_size`` (``layers.experts``), beside a
+shared one of ``shared_expert_intermediate_size`` where that is not 0 (Qwen2-MoE).
 """
 
 from __future__ import annotations
@@ -62,6 +67,13 @@ class ModelConfig:
     # the sliding layers' own rotary base (None: rope_theta; they take no rope scaling).
     query_pre_attn_scalar: float | None = None
     sliding_rope_theta: float | None = None
+    # Mixture of experts (see the module docstring); 0 experts: every MLP is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
+    shared_expert_intermediate_size: int = 0
+    dense_mlp_layers: tuple[int, ...] = ()
 
     @property
     def architecture(self) -> str:
@@ -86,7 +98,17 @@ class ModelConfig:
             return self.sliding_window
         return None
 
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
+
     def __post_init__(self) -> None:
+        if self.family.moe and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(
+                f"{self.architecture} needs 0 < num_experts_per_tok "
+                f"({self.num_experts_per_tok}) <= num_experts ({self.num_experts})")
+        if self.family.moe and self.moe_intermediate_size < 1:
+            raise ModelLoadError(f"{self.architecture} needs moe_intermediate_size >= 1")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ModelLoadError(
                 f"unsupported hidden_act {self.hidden_act!r} "
@@ -162,6 +184,7 @@ class ModelConfig:
                 query_pre_attn_scalar=(float(d.get("query_pre_attn_scalar", 256))
                                        if family.gemma_norms else None),
                 sliding_rope_theta=sliding_theta,
+                **(_hf_moe_fields(d, num_layers) if family.moe else {}),
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks the required key {e.args[0]!r}") from None
@@ -218,6 +241,7 @@ class ModelConfig:
             qk_norm=family.qk_norm,
             **_gguf_family_fields(meta, arch, family, int(get("block_count")), hidden,
                                   num_heads),
+            **(_gguf_moe_fields(meta, arch, family, tensor_shapes) if family.moe else {}),
         )
 
     def kv_cache_shape(self, num_blocks: int, block_size: int,
@@ -260,6 +284,45 @@ def _gguf_family_fields(meta: Mapping[str, Any], arch: str, family: ModelFamily,
             sliding_rope_theta=float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0)),
         )
     return fields
+
+
+def _hf_moe_fields(d: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """The experts of a config.json as transformers reads them: ``num_experts`` (Qwen) or
+    ``num_local_experts`` (Mixtral); each expert ``moe_intermediate_size`` wide, or
+    ``intermediate_size`` (Mixtral); ``norm_topk_prob`` (absent: true, as Mixtral's router
+    always renormalises); the dense layers ``mlp_only_layers`` and those off every
+    ``decoder_sparse_step``-th."""
+    step = int(d.get("decoder_sparse_step") or 1)
+    only = {int(i) for i in d.get("mlp_only_layers") or ()}
+    return dict(
+        num_experts=int(d.get("num_experts") or d.get("num_local_experts") or 0),
+        num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]),
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
+        dense_mlp_layers=tuple(i for i in range(num_layers)
+                               if i in only or (i + 1) % step),
+    )
+
+
+def _gguf_moe_fields(meta: Mapping[str, Any], arch: str, family: ModelFamily,
+                     tensor_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """The experts of a GGUF file as llama.cpp reads them (the renormalisation by
+    ``expert_weights_norm`` where the file has it, else the family's); a layer without a
+    router (``ffn_gate_inp``) keeps a dense MLP."""
+    layers = int(meta[f"{arch}.block_count"])
+    return dict(
+        dense_mlp_layers=tuple(i for i in range(layers)
+                               if f"blk.{i}.ffn_gate_inp.weight" not in tensor_shapes),
+        num_experts=int(meta.get(f"{arch}.expert_count") or 0),
+        num_experts_per_tok=int(meta.get(f"{arch}.expert_used_count") or 0),
+        moe_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length")
+                                  or meta.get(f"{arch}.feed_forward_length") or 0),
+        norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm",
+                                     family.gguf_norm_topk_prob)),
+        shared_expert_intermediate_size=int(
+            meta.get(f"{arch}.expert_shared_feed_forward_length") or 0),
+    )
 
 
 def _hf_rope_of(d: Mapping[str, Any], family: ModelFamily

@@ -30,4 +30,9 @@ class ModelFamily:
     # GGUF layer tensor kinds that name another Hugging Face module than Llama's
     # (``gguf.loader``'s table), as (GGUF kind, HF module) pairs.
     gguf_layer_names: tuple[tuple[str, str], ...] = ()
+    # A mixture of experts in the MLPs (``layers.experts``): the config must name them.
+    moe: bool = False
+    # Whether a GGUF file's routing renormalises the top-k weights: llama.cpp decides it by
+    # architecture (true for qwen3moe, false for qwen2moe); a file does not say.
+    gguf_norm_topk_prob: bool = False
 

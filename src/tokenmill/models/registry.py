@@ -8,7 +8,16 @@ is derived from it.
 from __future__ import annotations
 
 from tokenmill.models.causal_lm import PagedCausalLM
-from tokenmill.models.families import gemma3, llama, mistral, phi3, qwen2, qwen3
+from tokenmill.models.families import (
+    gemma3,
+    llama,
+    mistral,
+    phi3,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
 from tokenmill.models.family import ModelFamily
 
 FAMILIES = (
@@ -18,6 +27,8 @@ FAMILIES = (
     qwen3,
     phi3,
     gemma3,
+    qwen3_moe,
+    qwen2_moe,
 )
 MODEL_REGISTRY: dict[str, type[PagedCausalLM]] = {
     module.FAMILY.architecture: module.MODEL for module in FAMILIES}

@@ -10,6 +10,12 @@ rotary layout); ``_unpermute_heads`` restores Hugging Face's "rotate half" order
 
     HF rows of a head:    [ x0 x1 ... x_{D/2-1} | y0 y1 ... y_{D/2-1} ]
     GGUF rows of a head:  [ x0 y0 x1 y1 ... x_{D/2-1} y_{D/2-1} ]
+
+A mixture of experts stores each layer's experts' projections as one 3-D tensor
+(``ffn_{gate,up,down}_exps``, ``[experts, rows, cols]``): it is read as one matrix per
+expert under transformers' per-expert names (``mlp.experts.E.gate_proj``), each as the
+file's own rows (``FileRows``) where ``keep_blocks``; its expert count and shapes are
+checked against the config before ``open_gguf`` returns.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from gguf.quants import dequantize
 from tokenmill.errors import ModelLoadError
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.gguf.blocks import SUPPORTED_TYPES, FileRows
+from tokenmill.models.layers.experts import check_expert_weight
 from tokenmill.models.registry import GGUF_FAMILIES
 
 GGUF_MAGIC = b"GGUF"
@@ -48,7 +55,15 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# 3-D expert tensors -> the projection of each expert (``mlp.experts.E.<projection>``)
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                 "ffn_down_exps": "down_proj"}
 ROPE_FREQS = "rope_freqs.weight"
 
 
@@ -86,9 +101,31 @@ def open_gguf(path: str, keep_blocks: bool = False
         config = dataclasses.replace(
             config, rope_scaling={"rope_type": "freq_factors", "factors": factors}
         )
+    _check_experts(shapes, config)
     layer_names = {**_LAYER_NAMES, **dict(config.family.gguf_layer_names)}
     entries = [(*_hf_name(t.name, layer_names), t) for t in tensors.values()]
     return config, _weights(path, entries, config, keep_blocks)
+
+
+def _check_experts(shapes: dict[str, tuple[int, ...]], config: ModelConfig) -> None:
+    """Raises ``ModelLoadError`` naming what disagrees where a 3-D expert tensor or a router
+    does not fit the config's experts (``layers.experts.check_expert_weight``)."""
+    for name, shape in shapes.items():
+        parts = name.split(".")
+        if len(parts) != 4 or parts[0] != "blk":
+            continue
+        if parts[2] in _EXPERT_NAMES:
+            if len(shape) != 3 or shape[0] != config.num_experts:
+                raise ModelLoadError(
+                    f"GGUF tensor {name!r} has shape {shape}: not {config.num_experts} "
+                    f"experts, the file's expert_count")
+            check_expert_weight(config, _expert_name(parts[1], parts[2], 0), shape[1:])
+        elif parts[2] == "ffn_gate_inp":
+            check_expert_weight(config, f"model.layers.{parts[1]}.mlp.gate.weight", shape)
+
+
+def _expert_name(layer: str, kind: str, expert: int) -> str:
+    return f"model.layers.{layer}.mlp.experts.{expert}.{_EXPERT_NAMES[kind]}.weight"
 
 
 def _metadata(reader: GGUFReader) -> dict[str, Any]:
@@ -127,6 +164,9 @@ def _weights(
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     permute, gemma = config.family.gguf_permutes_qk, config.family.gemma_norms
     for name, kind, t in entries:
+        if kind in _EXPERT_NAMES:
+            yield from _experts(path, name.split(".")[2], kind, t, keep_blocks)
+            continue
         try:
             if keep_blocks and len(t.shape) == 2:
                 weight = _file_rows(t)
@@ -139,9 +179,27 @@ def _weights(
                     weight = _unpermute_heads(weight, heads[kind])
                 elif gemma and name.endswith("norm.weight"):
                     weight = weight - 1.0
+                elif kind == "ffn_gate_inp_shexp":  # llama.cpp's [H]; transformers' [1, H]
+                    weight = weight.reshape(1, -1)
         except (ValueError, RuntimeError) as e:
             raise ModelLoadError(f"corrupt tensor {t.name!r} in {path}: {e}") from None
         yield name, weight
+
+
+def _experts(path: str, layer: str, kind: str, t: ReaderTensor,
+             keep_blocks: bool) -> Iterator[tuple[str, torch.Tensor | FileRows]]:
+    """Each expert's matrix of the 3-D tensor ``t``: its ``FileRows`` where ``keep_blocks``,
+    else float32."""
+    experts, rows, cols = _torch_shape(t)
+    data = t.data.view(np.uint8).reshape(experts * rows, -1)
+    for expert in range(experts):
+        weight = FileRows(t.tensor_type, data[expert * rows:(expert + 1) * rows], cols)
+        if not keep_blocks:
+            try:
+                weight = weight.dequantize()
+            except (ValueError, RuntimeError) as e:
+                raise ModelLoadError(f"corrupt tensor {t.name!r} in {path}: {e}") from None
+        yield _expert_name(layer, kind, expert), weight
 
 
 def _hf_name(gguf_name: str, layer_names: dict[str, str]) -> tuple[str, str]:
@@ -150,6 +208,8 @@ def _hf_name(gguf_name: str, layer_names: dict[str, str]) -> tuple[str, str]:
     parts = gguf_name.split(".")
     if len(parts) == 2 and parts[0] in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[parts[0]]}.{parts[1]}", parts[0]
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _EXPERT_NAMES:
+        return f"model.layers.{parts[1]}.mlp.experts.{_EXPERT_NAMES[parts[2]]}", parts[2]
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}", parts[2]
     raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}")
