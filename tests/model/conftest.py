@@ -36,6 +36,8 @@ TINY_VARIANTS = {
     # experts renormalised (as llama.cpp's qwen3moe); a shared expert and a dense layer
     "qwen3_moe": ("qwen3_moe", {"norm_topk_prob": True}),
     "qwen2_moe": ("qwen2_moe", {"shared_expert_intermediate_size": 48, "mlp_only_layers": [1]}),
+    "mixtral": ("mixtral", {"num_local_experts": 8, "num_experts_per_tok": 2,
+                            "intermediate_size": 32, "sliding_window": 12}),
 }
 
 

@@ -1,9 +1,10 @@
 """Mixture-of-experts families (Qwen3-MoE; Qwen2-MoE with its shared expert and a dense
-layer): tiny random checkpoints agree with transformers in float32 from their folders and
-as GGUF files (ours, and llama.cpp's converter's where its source tree is here); router
-ties break as transformers breaks them; experts run grouped, each active one once per
-layer, inactive ones not at all; with ``--quantization gguf`` experts keep the file's
-blocks; checkpoints whose experts disagree with their config are refused."""
+layer; Mixtral, from its folder only): tiny random checkpoints agree with transformers in
+float32 from their folders and as GGUF files (ours, and llama.cpp's converter's where its
+source tree is here); router ties break as transformers breaks them; experts run grouped,
+each active one once per layer, inactive ones not at all; with ``--quantization gguf``
+experts keep the file's blocks; checkpoints whose experts disagree with their config are
+refused."""
 
 from __future__ import annotations
 
@@ -42,10 +43,11 @@ def experts_of(model) -> list[SparseMoeBlock]:
     return [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
 
 
-@pytest.mark.parametrize("variant", MOE)
+@pytest.mark.parametrize("variant", [*MOE, "mixtral"])
 def test_greedy_and_logits_match_hf(tiny_model_dir, variant):
     """Greedy tokens (prefill in chunks of 6) and the prompt's logits against transformers;
-    Qwen2-MoE's second layer is dense (``mlp_only_layers``)."""
+    Qwen2-MoE's second layer is dense (``mlp_only_layers``); Mixtral's window (12) cuts
+    the 20-token prompt."""
     model_dir = tiny_model_dir(variant)
     ours, config = load_model(model_dir, torch.float32, CPU)
     assert len(experts_of(ours)) == config.num_hidden_layers - len(config.dense_mlp_layers)

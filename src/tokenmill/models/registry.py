@@ -12,6 +12,7 @@ from tokenmill.models.families import (
     gemma3,
     llama,
     mistral,
+    mixtral,
     phi3,
     qwen2,
     qwen2_moe,
@@ -29,6 +30,7 @@ FAMILIES = (
     gemma3,
     qwen3_moe,
     qwen2_moe,
+    mixtral,
 )
 MODEL_REGISTRY: dict[str, type[PagedCausalLM]] = {
     module.FAMILY.architecture: module.MODEL for module in FAMILIES}
