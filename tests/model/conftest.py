@@ -14,11 +14,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tiny_model import LLAMA3_ROPE, make_tiny_model_dir  # noqa: E402
 
+YARN_ROPE = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+             "original_max_position_embeddings": 64, "truncate": False}
+
 TINY_VARIANTS = {
     "llama": ("llama", {}),
     "llama_untied": ("llama", {"tie_word_embeddings": False}),
     "llama3_rope": ("llama", {"rope_scaling": LLAMA3_ROPE}),
     "linear_rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    # YaRN as gpt-oss sets it (no truncation), over a small original context
+    "yarn_rope": ("llama", {"rope_scaling": YARN_ROPE}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
     "mistral": ("mistral", {"sliding_window": 8}),

@@ -5,14 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 from paged_runner import PagedRunner, greedy_generate
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tiny_model import LLAMA3_ROPE
-from tokenmill.models.layers.rotary import rope_inv_freq
+from tokenmill.models.config import _hf_rope
+from tokenmill.models.layers.rotary import rope_attention_factor, rope_inv_freq
 from tokenmill.models.loader import load_model
 
 CPU = torch.device("cpu")
-VARIANTS = ["llama", "llama_untied", "llama3_rope", "qwen2"]
+VARIANTS = ["llama", "llama_untied", "llama3_rope", "yarn_rope", "qwen2"]
 PROMPT = [5, 17, 300, 42, 8, 99, 123, 7, 256, 31, 64, 200, 11, 3, 77, 150, 9, 410, 21, 60]
 
 
@@ -58,3 +60,21 @@ def test_llama3_variant_exercises_scaling():
     assert scaled[0] == plain[0]  # short wavelength: kept
     assert torch.isclose(scaled[-1], plain[-1] / 8)  # long wavelength: divided by factor
     assert ((scaled != plain) & ~torch.isclose(scaled, plain / 8)).any()  # smoothed band
+
+
+@pytest.mark.parametrize("extra", [
+    {"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+     "original_max_position_embeddings": 4096},  # gpt-oss's
+    {"factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen's long context
+    {"factor": 8.0, "original_max_position_embeddings": 2048, "mscale": 1.0,
+     "mscale_all_dim": 0.5},
+])
+def test_yarn_frequencies_and_factor_equal_transformers(extra):
+    """YaRN's frequencies bit for bit, and its factor on cos and sin, as transformers'."""
+    config = LlamaConfig(hidden_size=128, num_attention_heads=2, head_dim=64,
+                         max_position_embeddings=131072,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, **extra})
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    theta, scaling = _hf_rope(config.to_dict())
+    assert torch.equal(rope_inv_freq(64, theta, scaling), inv_freq)
+    assert rope_attention_factor(scaling) == factor > 1

@@ -19,7 +19,10 @@ attends to the last ``sliding_window`` positions only (a query at position ``p``
 - ``"llama3"``: ``factor``, ``low_freq_factor``, ``high_freq_factor``,
   ``original_max_position_embeddings`` (Llama 3.1+ frequency smoothing);
 - ``"freq_factors"``: ``factors``, one divisor per frequency (what a GGUF file stores in its
-  ``rope_freqs`` tensor in place of the llama3 parameters).
+  ``rope_freqs`` tensor in place of the llama3 parameters);
+- ``"yarn"``: ``factor``, ``original_max_position_embeddings``, optionally ``beta_fast``,
+  ``beta_slow``, ``truncate``, ``attention_factor``, ``mscale``, ``mscale_all_dim`` (as
+  Hugging Face's ``_compute_yarn_parameters``).
 
 Mixture of experts (``num_experts > 0``, a ``ModelFamily.moe`` family): the MLP of every
 layer but ``dense_mlp_layers`` routes each token to its top ``num_experts_per_tok`` of
@@ -37,7 +40,7 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.models.attention.kv_int8 import row_width
 from tokenmill.models.family import ModelFamily
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 FULL, SLIDING = "full_attention", "sliding_attention"
 
