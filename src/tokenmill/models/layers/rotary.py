@@ -95,10 +95,11 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding in the "rotate half" layout (pairs ``i`` and ``i + D/2``).
 
     Invariant: ``cos_sin_cache[p] = [cos(p f), cos(p f), -sin(p f), sin(p f)]`` (each part
-    ``D/2`` wide; each times ``rope_attention_factor``, YaRN's) for every position ``p < max_positions``, computed once in float32 and
-    stored in the model dtype, so a forward pass only indexes it (``cos_sin``) and each layer
-    only multiplies (``apply_rotary``). The signed, duplicated layout turns the rotation into
-    ``x * cos + swap_halves(x) * sin`` over the full head::
+    ``D/2`` wide; each times ``rope_attention_factor``, YaRN's) for every position ``p <
+    max_positions``, computed once in float32 and stored in the model dtype, so a forward
+    pass only indexes it (``cos_sin``) and each layer only multiplies (``apply_rotary``).
+    The signed, duplicated layout turns the rotation into ``x * cos + swap_halves(x) * sin``
+    over the full head::
 
         x:               | x1        | x2        |
         swap_halves(x):  | x2        | x1        |
