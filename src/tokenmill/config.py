@@ -27,6 +27,7 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 KERNEL_CHOICES = ("auto", "native", "torch")
 KV_CACHE_DTYPE_CHOICES = ("auto", "int8")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
                "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
@@ -249,6 +250,10 @@ class ServerConfig:
         "auto", "how tool calls are read from the model's text when tool_choice is auto: "
         "hermes (<tool_call> JSON, Hermes and Qwen), llama3_json (Llama 3 JSON), or auto "
         "(from the chat template)", choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = option(
+        None, "split the model's reasoning from its answer: deepseek_r1 or qwen3 "
+        "(<think>...</think>), openai_gptoss (gpt-oss's analysis channel); default: none",
+        choices=REASONING_PARSERS)
 
     def __post_init__(self) -> None:
         if any(not isinstance(key, str) or not key.strip() for key in self.api_keys):
@@ -259,6 +264,8 @@ class ServerConfig:
             raise InvalidParameterError("shutdown_timeout must not be negative",
                                         "shutdown_timeout")
         _one_of("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
+        if self.reasoning_parser is not None:
+            _one_of("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         if self.log_stats_interval <= 0:
             raise InvalidParameterError("log_stats_interval must be positive",
                                         "log_stats_interval")

@@ -29,17 +29,26 @@ class StructuredOutput:
     ``whitespace`` (``"json"`` only): the whitespace allowed between JSON tokens, as a
     regex; None for the default (at most one space, or one line break and an indent of
     up to 20), "" for none.
+
+    ``after`` (a reasoning model's end-of-reasoning marker, such as ``</think>``): the
+    constraint applies from the end of the reasoning; before it, the output is free text
+    up to and including the first ``after`` (and at most two line breaks). None: from the
+    first token.
     """
 
     kind: str
     spec: str
     whitespace: str | None = None
+    after: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.kind in STRUCTURED_OUTPUT_KINDS,
                f"structured output kind must be one of {', '.join(STRUCTURED_OUTPUT_KINDS)}",
                "structured_output")
         _check(isinstance(self.spec, str), "a structured output's spec is text",
+               "structured_output")
+        _check(self.after is None or (isinstance(self.after, str) and bool(self.after)),
+               "a structured output's end-of-reasoning marker is non-empty text",
                "structured_output")
 
 

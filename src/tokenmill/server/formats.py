@@ -4,13 +4,18 @@ A chat request with tools reads each choice's text through the plan's ``CallStre
 (``server/tools.py``): the chunks carry ``delta.tool_calls`` where the text held calls,
 and a delta whose text is all held back (a call still being written) gives no chunk;
 its logprobs go out with the next chunk of that choice.
+
+With a reasoning parser (``server/reasoning.py``), each choice's text first goes through
+its ``ReasoningStream``: the reasoning goes out as ``reasoning_content`` (in the message,
+or in the deltas), and only the rest reaches the tool-call parser and ``content``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tokenmill.core.types import TokenLogprob
+from tokenmill.server.reasoning import ReasoningStream
 from tokenmill.server.tools import CallStream, ToolPlan, parse
 from tokenmill.tokenizer.tokenizer import Tokenizer
 
@@ -61,18 +66,27 @@ class ChatFormat(CompletionFormat):
     object_full = "chat.completion"
     id_prefix = "chatcmpl-"
 
-    def __init__(self, tokenizer: Tokenizer, tools: ToolPlan | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, tools: ToolPlan | None = None,
+                 reasoning: Callable[[], ReasoningStream] | None = None) -> None:
+        """``reasoning`` makes a choice's reasoning stream; None: no reasoning parser."""
         super().__init__(tokenizer)
         self.tools = tools
+        self.reasoning = reasoning
+        self._reasoning_streams: dict[int, ReasoningStream] = {}  # by choice index
         self._streams: dict[int, CallStream] = {}  # by choice index
         self._called: set[int] = set()  # choices whose text held tool calls
         self._held_logprobs: dict[int, list[TokenLogprob]] = {}
 
     def stream_choice(self, index: int, text: str, logprobs: Sequence[TokenLogprob] | None,
                       finish_reason: str | None, stop_reason, first: bool) -> dict | None:
+        reasoning, text = self._split(index, text, finish_reason is not None)
         stream = self._stream(index)
         if stream is None:
-            delta: dict = {"role": "assistant", "content": text} if first else {"content": text}
+            delta: dict = {"role": "assistant"} if first else {}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if text or not reasoning:
+                delta["content"] = text
             return {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs),
                     "finish_reason": finish_reason, "stop_reason": stop_reason}
         content, calls = stream.feed(text)
@@ -81,12 +95,14 @@ class ChatFormat(CompletionFormat):
             content, calls = content + more_content, calls + more_calls
         held = self._held_logprobs.setdefault(index, [])
         held.extend(logprobs or ())
-        if not content and not calls and finish_reason is None:
+        if not content and not calls and not reasoning and finish_reason is None:
             return None  # all held back: no chunk yet
         if calls:
             self._called.add(index)
         delta = {"role": "assistant"} if first else {}
-        if content or (first and not calls):
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content or (first and not calls and not reasoning):
             delta["content"] = content
         elif first:
             delta["content"] = None
@@ -100,6 +116,7 @@ class ChatFormat(CompletionFormat):
 
     def full_choice(self, index: int, text: str, logprobs: Sequence[TokenLogprob] | None,
                     finish_reason: str | None, stop_reason) -> dict:
+        reasoning, text = self._split(index, text, True)
         message: dict = {"role": "assistant", "content": text}
         stream = self.tools.stream() if self.tools is not None else None
         if stream is not None:
@@ -110,9 +127,26 @@ class ChatFormat(CompletionFormat):
                            "tool_calls": calls}
             else:
                 message["content"] = content
+        if self.reasoning is not None:
+            message["reasoning_content"] = reasoning or None
+            if reasoning and not message["content"]:
+                message["content"] = None
         return {"index": index, "message": message, "logprobs": self.logprobs(logprobs),
                 "finish_reason": self._finish_reason(index, finish_reason),
                 "stop_reason": stop_reason}
+
+    def _split(self, index: int, text: str, last: bool) -> tuple[str, str]:
+        """(reasoning, the rest) of choice ``index``'s new ``text``; ``last``: its end."""
+        if self.reasoning is None:
+            return "", text
+        stream = self._reasoning_streams.get(index)
+        if stream is None:
+            stream = self._reasoning_streams[index] = self.reasoning()
+        reasoning, content = stream.feed(text)
+        if last:
+            more_reasoning, more_content = stream.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
 
     def _stream(self, index: int) -> CallStream | None:
         if self.tools is None:

@@ -1,6 +1,7 @@
 """The gate every HTTP request passes before a route sees it (a plain ASGI middleware).
 
-In order: the body-size cap (413), the API key on ``/v1/*`` (401), the ``x-request-id``
+In order: the body-size cap (413), the API key on ``/v1/*`` (401; ``Authorization: Bearer
+KEY``, or Anthropic's ``x-api-key: KEY``), the ``x-request-id``
 length cap (400), admission while draining (503 with ``Retry-After``). The request id,
 the client's or a new one, goes to ``request.state.request_id`` and back out in the
 response's ``x-request-id`` header.
@@ -21,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.config import RequestLimits
 from tokenmill.errors import InvalidParameterError
-from tokenmill.server.errors import error_response
+from tokenmill.server.errors import error_response_for
 from tokenmill.server.lifecycle import ServerLifecycle
 
 
@@ -37,6 +38,11 @@ def api_key_matches(authorization: str | None, keys: Sequence[str]) -> bool:
     scheme, _, given = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not given:
         return False
+    return key_matches(given, keys)
+
+
+def key_matches(given: str, keys: Sequence[str]) -> bool:
+    """``given`` is one of ``keys``, compared in constant time (as ``api_key_matches``)."""
     supplied = _digest(given)
     matches = [hmac.compare_digest(supplied, _digest(key)) for key in keys]
     return any(matches)
@@ -68,7 +74,7 @@ class RequestGate:
         try:
             body = await self._read_body(receive)
         except _BodyTooLarge:
-            await self._too_large()(scope, receive, send)
+            await self._too_large(scope["path"])(scope, receive, send)
             return
         scope.setdefault("state", {})["request_id"] = request_id
         await self.app(scope, _replay(body, receive), _with_request_id(send, request_id))
@@ -76,23 +82,28 @@ class RequestGate:
     def _refusal(self, scope: Scope, headers: Headers, request_id: str):
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.limits.max_request_body_bytes:
-            return self._too_large()
-        if self.api_keys and scope["path"].startswith("/v1"):
-            if not api_key_matches(headers.get("authorization"), self.api_keys):
-                return error_response(401, "invalid or missing API key", None, "invalid_api_key")
+            return self._too_large(scope["path"])
+        path = scope["path"]
+        if self.api_keys and path.startswith("/v1"):
+            x_api_key = headers.get("x-api-key")
+            if not (api_key_matches(headers.get("authorization"), self.api_keys)
+                    or (x_api_key and key_matches(x_api_key, self.api_keys))):
+                return error_response_for(path, 401, "invalid or missing API key", None,
+                                          "invalid_api_key")
         try:
             self.limits.check_request_id(request_id)
         except InvalidParameterError as error:
-            return error_response(400, str(error), error.param)
+            return error_response_for(path, 400, str(error), error.param)
         if self.lifecycle.draining and scope["method"] == "POST":
-            response = error_response(503, "the server is shutting down", None, "shutting_down")
+            response = error_response_for(path, 503, "the server is shutting down", None,
+                                          "shutting_down")
             response.headers["retry-after"] = self.lifecycle.retry_after
             return response
         return None
 
-    def _too_large(self):
+    def _too_large(self, path: str):
         cap = self.limits.max_request_body_bytes
-        return error_response(413, f"the request body is larger than {cap} bytes", None,
+        return error_response_for(path, 413, f"the request body is larger than {cap} bytes", None,
                               "request_too_large")
 
     async def _read_body(self, receive: Receive) -> bytes:

@@ -4,12 +4,17 @@ constraint compiles, run where requests arrive (torch-free).
 The JSON schema, regex and grammar compilers are llguidance's own; this module only
 picks the options: JSON whitespace (``DEFAULT_JSON_WHITESPACE`` unless the request says),
 and a choice list as a grammar of literal alternatives.
+
+A constraint that applies after a reasoning model's reasoning (``after``) is the same
+grammar behind one lexeme: any text that ends with the first ``after`` marker (and up to
+two line breaks), so the matcher lets the reasoning through and constrains what follows.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 
 import llguidance
 
@@ -28,6 +33,25 @@ class GrammarError(ValueError):
 def grammar_text(constraint: StructuredOutput) -> str:
     """llguidance's grammar for ``constraint``; ``GrammarError`` when it cannot be built
     (whether it compiles is ``check_structured_output``'s question)."""
+    grammar = _own_grammar(constraint)
+    return grammar if constraint.after is None else _after_marker(grammar, constraint.after)
+
+
+def _after_marker(grammar: str, marker: str) -> str:
+    """``grammar`` (llguidance's top-level JSON, or Lark text) preceded by free text up to
+    and including the first ``marker``."""
+    top = json.loads(grammar) if grammar.startswith("{") else {
+        "grammars": [{"lark_grammar": grammar}]}
+    first = top["grammars"][0]
+    first["name"] = name = first.get("name") or "constraint"
+    m = re.escape(marker).replace("/", "\\/")
+    lark = (f"start: REASONING @{name}\n"
+            f"REASONING: /(?s:.*){m}\\n{{0,2}}/ & ~/(?s:.*{m}.*{m}.*)/\n")
+    top["grammars"].insert(0, {"lark_grammar": lark})
+    return json.dumps(top)
+
+
+def _own_grammar(constraint: StructuredOutput) -> str:
     kind, spec = constraint.kind, constraint.spec
     if kind == "json":
         try:
