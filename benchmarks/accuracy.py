@@ -73,7 +73,7 @@ def measure_config(base: EngineConfig, options: dict, max_tokens: int) -> dict:
     llm = LLM(**dataclasses.asdict(config))
     with open(TEXT, encoding="utf-8") as f:
         text_ids = llm.tokenizer.encode(f.read())
-    model_module = llm.engine.core.executor.model
+    model_module = llm.client.core.executor.model
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}])
                for q in QUESTIONS]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))

@@ -130,7 +130,7 @@ def measure_tokenmill(path: str, options: dict, text: str, ctx: int, prompts: li
     chunks = text_chunks(llm.tokenizer.encode(text), ctx, prefix[0] if prefix else None)
     if not chunks:
         raise SystemExit(f"the text has fewer than --ctx {ctx} tokens")
-    model = llm.engine.core.executor.model
+    model = llm.client.core.executor.model
     outputs = [list(o.outputs[0].token_ids) for o in llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=max_tokens))]
     margins = [margin_at_difference(model, prompt, ours, other)

@@ -95,7 +95,7 @@ def measure(args: argparse.Namespace) -> dict:
     config = dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
     llm = LLM(**dataclasses.asdict(config))
     reference = load_reference(config.model or default_model_path(), dtype, device)
-    vocab = llm.engine.info.vocab_size
+    vocab = llm.client.info.vocab_size
     prompts = make_prompts(args.num_requests, args.input_len, vocab, config.seed)
     with torch.inference_mode():
         run_tokenmill(llm, prompts[:2], WARMUP_TOKENS)

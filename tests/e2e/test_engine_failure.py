@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import multiprocessing
 import re
 import threading
 import time
@@ -17,9 +16,8 @@ import uvicorn
 from server_process import free_port
 
 from tokenmill.config import EngineConfig, ServerConfig
-from tokenmill.engine.builder import build_engine
-from tokenmill.engine.process import run_engine_loop
-from tokenmill.frontend.async_engine import AsyncEngine
+from tokenmill.engine.inproc import InprocClient
+from tokenmill.frontend.async_client import AsyncEngineClient
 from tokenmill.frontend.processor import InputProcessor
 from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.server.app import build_app
@@ -53,32 +51,31 @@ def one_at_a_time_server(tiny_model):
 
 
 def _serve(tiny_model: str, fail_at: int, **config):
-    engine = build_engine(EngineConfig(model=tiny_model, dtype="float32", num_kv_blocks=256,
+    client = InprocClient(EngineConfig(model=tiny_model, dtype="float32", num_kv_blocks=256,
                                        **config))
-    engine.core.executor = FailingExecutor(engine.core.executor, fail_at=fail_at)
+    client.core.executor = FailingExecutor(client.core.executor, fail_at=fail_at)
     metrics = PrometheusMetrics("tiny")
     tokenizer = load_tokenizer(tiny_model)
-    server_end, engine_end = multiprocessing.Pipe()  # the engine loop on a thread, not a process
-    threading.Thread(target=run_engine_loop, args=(engine.core, engine_end), daemon=True).start()
-    async_engine = AsyncEngine(server_end, tokenizer, [metrics], [metrics])
-    app = build_app(async_engine, InputProcessor(tokenizer, engine.info), metrics,
+    # the step loop turns on the receiver's thread (``engine.run``), not in a process
+    engine = AsyncEngineClient(client, tokenizer, [metrics], [metrics])
+    app = build_app(engine, InputProcessor(tokenizer, client.info), metrics,
                     ServerConfig(served_model_name="tiny"))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    engine_thread = threading.Thread(target=async_engine.run, daemon=True)
+    engine_thread = threading.Thread(target=engine.run, daemon=True)
     engine_thread.start()
     while not server.started:
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
+    yield f"http://127.0.0.1:{port}", client
     server.should_exit = True
     thread.join(timeout=10)
     engine_thread.join(timeout=10)
 
 
 def test_error_mid_stream_is_an_event_with_usage(failing_server) -> None:
-    base, engine = failing_server
+    base, client = failing_server
     events = []
     with httpx.stream("POST", base + "/v1/completions", timeout=30, json={
             "prompt": "fail soon", "max_tokens": 20, "ignore_eos": True, "stream": True,
@@ -95,7 +92,7 @@ def test_error_mid_stream_is_an_event_with_usage(failing_server) -> None:
     after = httpx.post(base + "/v1/completions", timeout=30, json={
         "prompt": "still here", "max_tokens": 3, "ignore_eos": True})
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3
-    engine.core.check_integrity()
+    client.core.check_integrity()
     metrics = httpx.get(base + "/metrics").text
     assert re.search(r'tokenmill_request_success_total\{finished_reason="error".*\} 1\.0', metrics)
 
@@ -103,7 +100,7 @@ def test_error_mid_stream_is_an_event_with_usage(failing_server) -> None:
 def test_only_the_failed_steps_requests_fail(one_at_a_time_server) -> None:
     """One request runs at a time: the step that fails holds the first, not the second,
     which then completes."""
-    base, engine = one_at_a_time_server
+    base, client = one_at_a_time_server
 
     async def main():
         async with httpx.AsyncClient(base_url=base, timeout=30) as client:
@@ -118,22 +115,22 @@ def test_only_the_failed_steps_requests_fail(one_at_a_time_server) -> None:
     assert first.status_code == 500 and "device lost" in first.json()["error"]["message"]
     assert second.status_code == 200, second.text
     assert second.json()["usage"]["completion_tokens"] == 8
-    failed_step = engine.core.executor.batches[4]
+    failed_step = client.core.executor.batches[4]
     assert len(failed_step) == 1  # the second request was waiting, not in the failed step
-    engine.core.check_integrity()
-    assert engine.core.kv.pool.num_used_blocks == 0
+    client.core.check_integrity()
+    assert client.core.kv.pool.num_used_blocks == 0
 
 
 def test_health_fails_after_repeated_consecutive_failures(failing_server) -> None:
-    base, engine = failing_server
-    engine.core.executor.fail_at, engine.core.executor.always = 0, True
+    base, client = failing_server
+    client.core.executor.fail_at, client.core.executor.always = 0, True
     for attempt in range(3):
         assert httpx.get(base + "/health").status_code == 200, attempt
         r = httpx.post(base + "/v1/completions", timeout=30, json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 500 and r.json()["error"]["type"] == "internal_server_error"
     assert httpx.get(base + "/health").status_code == 503
-    engine.core.executor.always = False
+    client.core.executor.always = False
     r = httpx.post(base + "/v1/completions", timeout=30, json={"prompt": "x", "max_tokens": 2})
     assert r.status_code == 200
     assert httpx.get(base + "/health").status_code == 200
-    engine.core.check_integrity()
+    client.core.check_integrity()

@@ -10,6 +10,7 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.records import FinishReason
+from tokenmill.engine.messages import StepReport
 from tokenmill.errors import InvalidParameterError
 
 NUM_TOKENS = 24
@@ -45,7 +46,7 @@ def test_greedy_tokens_equal_transformers(tiny_model, hf_greedy, schedule) -> No
     for prompt, output in zip(batch, outputs, strict=True):
         assert output.prompt_token_ids == prompt
         assert output.outputs[0].token_ids == hf_greedy(prompt, NUM_TOKENS)
-    llm.engine.core.check_integrity()
+    llm.client.core.check_integrity()
     if schedule == "preemption":
         assert sum(o.outputs[0].stats.num_preemptions for o in outputs) > 0
 
@@ -89,7 +90,36 @@ def test_stop_strings_and_stats(tiny_model) -> None:
     stats = full.outputs[0].stats
     assert stats.num_generation_tokens == NUM_TOKENS and stats.finish_reason is FinishReason.LENGTH
     assert 0 <= stats.queue_time <= stats.time_to_first_token <= stats.e2e_latency
-    llm.engine.core.check_integrity()
+    llm.client.core.check_integrity()
+
+
+@pytest.mark.parametrize("options", [{}, {"speculative_ngram": 3}])
+def test_the_engine_stops_on_the_token_that_completes_a_stop_string(tiny_model, options) -> None:
+    """The engine computes no token past a stop string: what it generates for the request
+    ends with the token whose text completes it, and the offline output shows that."""
+    llm = LLM(tiny_model, dtype="float32", **options)
+    prompt = prompts(1, seed=5)[0]
+    [full] = llm.generate([prompt], GREEDY)
+    ids, text = full.outputs[0].token_ids, full.outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip(), text
+    completes = next(k for k in range(1, len(ids) + 1) if stop in llm.tokenizer.decode(ids[:k]))
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, stop=[stop])
+    [request] = llm.processor.make_core_requests("stop-at-its-token", prompt, params)
+    llm.client.add_request(request)
+    generated, final = [], None
+    while final is None:
+        report = llm.client.get_output()
+        if isinstance(report, StepReport):
+            for out in report.outputs.outputs:
+                generated += out.new_token_ids
+                final = out if out.finished else None
+    assert final.finish_reason is FinishReason.STOP and generated == ids[:completes]
+    [cut] = llm.generate([prompt], params)
+    assert cut.outputs[0].token_ids == ids[:completes]
+    assert cut.outputs[0].text == text[:text.index(stop)]
+    assert cut.outputs[0].stats.num_generation_tokens == completes
+    llm.client.core.check_integrity()
 
 
 def test_abandoned_stream_frees_blocks(tiny_model) -> None:
@@ -97,8 +127,32 @@ def test_abandoned_stream_frees_blocks(tiny_model) -> None:
     stream = llm.stream("abandon me", GREEDY)
     next(stream)
     stream.close()
-    llm.engine.core.check_integrity()
-    assert llm.engine.core.kv.pool.num_used_blocks == 0
+    llm.client.core.check_integrity()
+    assert llm.client.core.kv.pool.num_used_blocks == 0
+
+
+def test_a_failed_step_raises_and_frees_the_requests_left(tiny_model) -> None:
+    """One request runs at a time; the third step fails: ``generate`` raises, the failed
+    request and those still waiting are gone from the engine, and the next call runs."""
+    llm = LLM(tiny_model, dtype="float32", max_num_seqs=1)
+    runner = llm.client.core.executor
+
+    class FailsOnce:
+        calls = 0
+
+        def execute(self, scheduler_output):
+            self.calls += 1
+            if self.calls == 3:
+                raise RuntimeError("device lost")
+            return runner.execute(scheduler_output)
+
+    llm.client.core.executor = FailsOnce()
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate(prompts(3), GREEDY)
+    llm.client.core.check_integrity()
+    assert llm.client.core.kv.pool.num_used_blocks == 0
+    [again] = llm.generate(prompts(1), GREEDY)
+    assert len(again.outputs[0].token_ids) == NUM_TOKENS
 
 
 def test_bad_options_and_prompts_raise_clear_errors(tiny_model) -> None:
@@ -112,7 +166,7 @@ def test_bad_options_and_prompts_raise_clear_errors(tiny_model) -> None:
     assert info.value.param == "max_tokens"
     with pytest.raises(InvalidParameterError):
         llm.generate([[1, 2, 10_000]], GREEDY)
-    llm.engine.core.check_integrity()
+    llm.client.core.check_integrity()
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
@@ -124,10 +178,10 @@ def test_an_8_bit_kv_cache_holds_more_tokens_in_the_same_memory(tiny_model, kern
     plain = LLM(tiny_model, dtype="float32", kv_cache_memory=memory, kernels=kernels)
     small = LLM(tiny_model, dtype="float32", kv_cache_memory=memory, kernels=kernels,
                 kv_cache_dtype="int8")
-    config = plain.engine.core.executor.model.config
+    config = plain.client.core.executor.model.config
     rows = 2 * config.num_key_value_heads * config.num_hidden_layers * 16  # a block's
-    assert plain.engine.info.kv_cache_tokens == memory // (rows * 4 * config.head_dim) * 16
-    assert small.engine.info.kv_cache_tokens == memory // (rows * (config.head_dim + 4)) * 16
+    assert plain.client.info.kv_cache_tokens == memory // (rows * 4 * config.head_dim) * 16
+    assert small.client.info.kv_cache_tokens == memory // (rows * (config.head_dim + 4)) * 16
     batch = [p[:20] for p in prompts(8, seed=3)]  # within the preemption schedule's 48
     for options in SCHEDULES.values():
         llm = LLM(tiny_model, dtype="float32", kernels=kernels, kv_cache_dtype="int8",
@@ -135,7 +189,7 @@ def test_an_8_bit_kv_cache_holds_more_tokens_in_the_same_memory(tiny_model, kern
         outputs = llm.generate(batch + batch[:2], GREEDY)  # the last two: prefix hits
         assert [len(o.outputs[0].token_ids) for o in outputs] == [NUM_TOKENS] * 10
         assert outputs[8].outputs[0].token_ids == outputs[0].outputs[0].token_ids
-        llm.engine.core.check_integrity()
-        assert llm.engine.core.kv.pool.num_used_blocks == 0
+        llm.client.core.check_integrity()
+        assert llm.client.core.kv.pool.num_used_blocks == 0
     with pytest.raises(InvalidParameterError, match="kv_cache_dtype"):
         LLM(tiny_model, kv_cache_dtype="fp8")

@@ -80,7 +80,7 @@ def test_tokens_do_not_depend_on_the_schedule(tmp_path, variant) -> None:
         outputs = llm.generate([batch[i][0] for i in order], [batch[i][1] for i in order])
         for i, output in zip(order, outputs, strict=True):
             assert output.outputs[0].token_ids == reference[i], (schedule, i)
-        llm.engine.core.check_integrity()
+        llm.client.core.check_integrity()
         preempted += sum(o.outputs[0].stats.num_preemptions for o in outputs)
         drafted += sum(o.outputs[0].stats.num_accepted_tokens for o in outputs)
     assert preempted and drafted, (preempted, drafted)  # the draws did both

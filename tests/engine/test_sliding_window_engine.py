@@ -41,7 +41,7 @@ def test_windowed_model_equals_transformers(mistral, schedule) -> None:
     if "max_model_len" in SCHEDULES[schedule]:
         prompts = [p[:40] for p in prompts]
     llm = LLM(mistral, dtype="float32", block_size=4, **SCHEDULES[schedule])
-    assert llm.engine.core.kv.window == WINDOW
+    assert llm.client.core.kv.window == WINDOW
     outputs = llm.generate(prompts, GREEDY)
     hf = AutoModelForCausalLM.from_pretrained(mistral, dtype=torch.float32).eval()
     for prompt, output in zip(prompts, outputs, strict=True):
@@ -49,4 +49,4 @@ def test_windowed_model_equals_transformers(mistral, schedule) -> None:
                           dtype=torch.long), max_new_tokens=NUM_TOKENS, do_sample=False,
                           eos_token_id=None)[0, len(prompt):].tolist()
         assert output.outputs[0].token_ids == ref
-    llm.engine.core.check_integrity()
+    llm.client.core.check_integrity()

@@ -38,7 +38,7 @@ def repetitive_prompts(count: int, seed: int = 0) -> list[list[int]]:
 def run(model: str, prompts, params, **options):
     llm = LLM(model, dtype="float32", **options)
     outputs = [o.outputs[0] for o in llm.generate(prompts, params)]
-    llm.engine.core.check_integrity()
+    llm.client.core.check_integrity()
     return outputs
 
 
@@ -99,7 +99,7 @@ def test_stop_strings_cut_at_the_same_token(tiny_model) -> None:
         spec = llm.generate([prompt], stopped)[0].outputs[0]
         assert (spec.text, spec.token_ids, spec.finish_reason, spec.stop_reason) == (
             plain.text, plain.token_ids, plain.finish_reason, plain.stop_reason)
-    llm.engine.core.check_integrity()
+    llm.client.core.check_integrity()
 
 
 def test_seeded_sampling_is_identical_with_speculation(tiny_model) -> None:

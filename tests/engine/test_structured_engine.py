@@ -55,7 +55,7 @@ def check(output, constraint: StructuredOutput) -> None:
 
 def generate(llm: LLM, batch, params_list):
     outputs = llm.generate(batch, params_list)
-    llm.engine.core.check_integrity()
+    llm.client.core.check_integrity()
     return [o.outputs for o in outputs]
 
 
@@ -151,13 +151,13 @@ def test_a_slow_grammar_holds_up_only_its_own_request(tiny_model) -> None:
     """A compilation past ``structured_output_compile_timeout`` fails its request with the
     reason; the free requests beside it run meanwhile, as they would alone."""
     llm = LLM(tiny_model, dtype="float32", structured_output_compile_timeout=0.3)
-    compile_now = llm.engine.core.grammars._compile
+    compile_now = llm.client.core.grammars._compile
 
     def slow_compile(constraint):
         time.sleep(1.0)
         return compile_now(constraint)
 
-    llm.engine.core.grammars._compile = slow_compile
+    llm.client.core.grammars._compile = slow_compile
     free = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     batch = prompts(3, seed=9)
     alone = [o[0].token_ids for o in generate(llm, batch, free)]

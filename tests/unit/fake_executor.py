@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_core import EngineCore
+from tokenmill.core.records import SchedulerStats
 from tokenmill.core.request import EngineCoreRequest
 from tokenmill.core.types import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.sampling_params import SamplingParams
@@ -96,12 +97,15 @@ def make_request(prompt: list[int], max_tokens: int = 8, group_id: str | None = 
 
 def make_core(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 256,
               tokens_per_step: int = 1, next_token: Callable[[Sequence[int]], int] = sum_model,
-              window: int | None = None, **options) -> EngineCore:
+              window: int | None = None,
+              on_scheduled: Callable[[SchedulerStats], None] | None = None,
+              **options) -> EngineCore:
     """``window``: a model whose every layer has that sliding window (the KV cache drops
-    what is behind it, and the fake model reads only what is in it)."""
+    what is behind it, and the fake model reads only what is in it). ``on_scheduled``:
+    the core's hook; ``options``: the ``EngineConfig``'s."""
     config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, **options)
     return EngineCore(config, FakeExecutor(block_size, tokens_per_step, next_token, window),
-                      num_blocks, max_model_len, window)
+                      num_blocks, max_model_len, window, on_scheduled)
 
 
 @dataclass

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from tokenmill.tokenizer.detokenizer import IncrementalDetokenizer
+from tokenmill.core.detokenizer import IncrementalDetokenizer
 from tokenmill.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
 UNICODE_TEXT = "Hello world 😀 中文 café 🇫🇷 𝔘 ok, ünïcödé 👨‍👩‍👧!"

@@ -1,15 +1,22 @@
 """The engine core: ``step() = schedule -> execute -> update``, plus add and abort.
 
-Synchronous and single-threaded: callers (the offline ``LLM`` or the server's engine
-thread) own the loop. Everything it returns is a frozen record, so the core could move
-to another process unchanged.
+Synchronous and single-threaded: the step loop (``engine.loop``, run in the engine
+process for the server and in the caller's thread for the offline ``LLM``) calls it.
+Everything it returns is a frozen record, so its outputs cross a process boundary
+unchanged. Hooks are given to the constructor and never rebound.
 
 Structured outputs: ``add_request`` starts the request's grammar (``GrammarCompiler``:
 compiled on a background thread, or found in its cache), and each step first looks at
 the grammars still compiling: a ready one lets its request be scheduled, a failed one
 (a grammar that does not compile, or takes longer than the compile timeout) finishes
 its request with reason ``error``. While nothing but compiling requests is left,
-``can_step`` is False: the caller waits (``wait_for_grammars``) instead of stepping.
+``can_step`` is False: the caller waits (``wait``) instead of stepping. The wake-up it
+waits on is set when a compilation ends (the compiler's ``on_compiled``) and by ``wake``
+(a caller's new message); ``wait`` never outlasts the earliest compile deadline.
+
+Stop strings: they are matched here, over the text the client will see (the tokenizer
+is built from the ``Vocabulary`` on the first request that has stop strings), and a
+request stops on the token that completes one (``Scheduler.check_stop``).
 """
 
 from __future__ import annotations
@@ -19,7 +26,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+import tokenizers
+
 from tokenmill.config import EngineConfig
+from tokenmill.core.detokenizer import IncrementalDetokenizer
 from tokenmill.core.kv_cache.manager import KVCacheManager
 from tokenmill.core.records import FinishReason, IterationStats, SchedulerStats
 from tokenmill.core.request import EngineCoreRequest, Request
@@ -53,9 +63,13 @@ class ModelExecutor(Protocol):
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: ModelExecutor, num_kv_blocks: int,
-                 max_model_len: int, kv_window: int | None = None) -> None:
+                 max_model_len: int, kv_window: int | None = None,
+                 on_scheduled: Callable[[SchedulerStats], None] | None = None) -> None:
         """``kv_window``: the sliding window of every layer of the model, where all of them
-        have one (blocks behind it return to the pool: ``KVCacheManager``); None else."""
+        have one (blocks behind it return to the pool: ``KVCacheManager``); None else.
+        ``on_scheduled`` is called in each step once the scheduler has moved requests,
+        before the forward pass, with its gauges: a caller publishes the waiting queue
+        while the step computes."""
         self.config = config
         self.executor = executor
         self.max_model_len = max_model_len
@@ -63,27 +77,44 @@ class EngineCore:
                                  kv_window)
         self.scheduler = Scheduler(config, self.kv, max_model_len)
         self._pending: list[EngineCoreOutput] = []  # outputs of aborts, sent with the next step
-        # called in each step once the scheduler has moved requests (before the forward
-        # pass), so a caller can publish the waiting queue while the step computes
-        self.on_scheduled: Callable[[], None] | None = None
-        self.grammars = GrammarCompiler(config.structured_output_compile_timeout)
-        self._compiled = threading.Event()  # set when a grammar compilation ends
-        self.grammars.on_compiled = self._compiled.set
+        self._on_scheduled = on_scheduled
+        self._wakeup = threading.Event()  # see the module docstring
+        self.grammars = GrammarCompiler(config.structured_output_compile_timeout,
+                                        on_compiled=self._wakeup.set)
         self._compiling: dict[str, Request] = {}  # requests whose grammars are not ready
+        self._decoder: tokenizers.Tokenizer | None = None  # for stop strings, once needed
 
     def set_vocabulary(self, vocabulary: Vocabulary) -> None:
-        """The tokenizer that structured outputs are compiled for (see ``GrammarCompiler``)."""
+        """The tokenizer that structured outputs are compiled for (see ``GrammarCompiler``)
+        and stop strings matched with."""
         self.grammars.set_vocabulary(vocabulary)
+        self._decoder = None
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         if core_request.req_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {core_request.req_id!r}")
         request = Request(core_request)
-        constraint = core_request.sampling_params.structured_output
-        if constraint is not None:
-            request.grammar = self.grammars.start(constraint)
+        params = core_request.sampling_params
+        if params.structured_output is not None:
+            request.grammar = self.grammars.start(params.structured_output)
             self._compiling[request.req_id] = request
+        decoder = self._stop_decoder() if params.stop else None
+        if decoder is not None:
+            request.stop_text = IncrementalDetokenizer(
+                decoder, core_request.prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output)
         self.scheduler.add_request(request)
+        if params.stop and decoder is None:
+            self.abort_requests([request.req_id], FinishReason.ERROR,
+                                "stop strings need the tokenizer, which this engine was not given")
+
+    def _stop_decoder(self) -> tokenizers.Tokenizer | None:
+        """The tokenizer stop strings are matched with: the vocabulary's, built once."""
+        vocabulary = self.grammars.vocabulary
+        if self._decoder is None and vocabulary is not None:
+            self._decoder = tokenizers.Tokenizer.from_str(vocabulary.tokenizer_json)
+        return self._decoder
 
     def abort_requests(self, req_ids: Iterable[str],
                        reason: FinishReason = FinishReason.ABORT,
@@ -113,10 +144,21 @@ class EngineCore:
         return bool(self._pending or self.scheduler.running
                     or self.scheduler.num_waiting > len(self._compiling))
 
-    def wait_for_grammars(self, timeout: float) -> None:
-        """Block until a grammar compilation ends, or ``timeout`` seconds."""
-        self._compiled.wait(timeout)
-        self._compiled.clear()
+    def wake(self) -> None:
+        """End a ``wait`` now (from any thread): a caller has something new for the core."""
+        self._wakeup.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until woken (a grammar compilation ended, or ``wake``), for at most
+        ``timeout`` seconds and never past the earliest compile deadline of the requests
+        waiting for their grammars; whether it was woken. Each wake-up ends one wait."""
+        deadlines = [r.grammar.deadline for r in self._compiling.values() if r.grammar]
+        if deadlines:
+            until_deadline = max(0.0, min(deadlines) - time.monotonic())
+            timeout = until_deadline if timeout is None else min(timeout, until_deadline)
+        woken = self._wakeup.wait(timeout)
+        self._wakeup.clear()
+        return woken
 
     def abort_all(self, reason: FinishReason) -> None:
         """``abort_requests`` for every request the core holds."""
@@ -133,8 +175,8 @@ class EngineCore:
         start = time.monotonic()
         self._poll_grammars()
         scheduler_output = self.scheduler.schedule()
-        if self.on_scheduled is not None:
-            self.on_scheduled()
+        if self._on_scheduled is not None:
+            self._on_scheduled(self.scheduler.make_stats())
         if scheduler_output.is_empty:
             runner_output = ModelRunnerOutput(sampled={})
         else:

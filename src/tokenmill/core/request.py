@@ -20,6 +20,7 @@ import enum
 import time
 from dataclasses import dataclass
 
+from tokenmill.core.detokenizer import IncrementalDetokenizer
 from tokenmill.core.records import FinishReason, RequestCounters, RequestEvent, RequestEventType
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.matcher import RequestGrammar
@@ -75,6 +76,9 @@ class Request:
         # every committed token; kept through preemptions, like the output.
         self.grammar: RequestGrammar | None = None
         self.error: str | None = None  # why it finished with reason "error", when known
+        # The output's text as the client will see it, for a request with stop strings:
+        # fed every committed token, it says when a stop string has completed.
+        self.stop_text: IncrementalDetokenizer | None = None
 
     @property
     def num_tokens(self) -> int:

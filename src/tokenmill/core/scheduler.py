@@ -19,7 +19,9 @@ A request with a structured output waits in the queue until its grammar has comp
 (``EngineCore`` compiles off the step): the scheduler passes over it, and the requests
 behind it go ahead, keeping their order. Once running, its grammar follows its output:
 ``_commit`` feeds it each committed token, and the request stops (reason ``stop``) as
-soon as the grammar is complete; drafts are cut to what the grammar accepts.
+soon as the grammar is complete; drafts are cut to what the grammar accepts. A request
+with stop strings stops (reason ``stop``) on the token that completes one: no token past
+it is committed, and none is computed after that step.
 
 Queue accounting (the tokens-waiting gauges) is kept as running sums that change only
 when a request enters or leaves the waiting queue; nothing walks the queue per step::
@@ -361,15 +363,20 @@ class Scheduler:
         del self.requests[request.req_id]
 
     def check_stop(self, request: Request) -> FinishReason | None:
-        """Why the request stops after its newest token, if it does. A structured output
-        stops once its grammar is complete, whatever ``min_tokens`` and ``ignore_eos`` say
-        (the grammar would allow nothing but EOS)."""
+        """Why the request stops after its newest token, if it does. A stop string stops it
+        on the token that completes it, as a structured output stops once its grammar is
+        complete, whatever ``min_tokens`` and ``ignore_eos`` say (the grammar would allow
+        nothing but EOS)."""
         params = request.sampling_params
         last = request.output_token_ids[-1]
         if request.num_output_tokens >= params.min_tokens and (
                 (not params.ignore_eos and last in request.eos_token_ids)
                 or last in params.stop_token_ids):
             return FinishReason.STOP
+        if request.stop_text is not None:
+            request.stop_text.add_tokens((last,))
+            if request.stop_text.stopped:
+                return FinishReason.STOP
         if request.grammar is not None and request.grammar.is_finished():
             return FinishReason.STOP
         if (request.num_output_tokens >= request.max_tokens

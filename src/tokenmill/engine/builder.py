@@ -1,15 +1,17 @@
-"""Assemble a ready engine from an ``EngineConfig``: model, KV cache size, model runner and
-engine core. (The tokenizer is not the engine's: whoever tokenises loads it.)"""
+"""Assemble a ready engine core from an ``EngineConfig``: model, KV cache size, model runner
+and the core over them. (The tokenizer is not the engine's: whoever tokenises loads it.)"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_core import EngineCore
+from tokenmill.core.records import SchedulerStats
 from tokenmill.engine.cpu_share import usable_cpus
 from tokenmill.engine.messages import EngineInfo
 from tokenmill.engine.model_runner import ModelRunner
@@ -28,16 +30,20 @@ DEFAULT_MAX_MODEL_LEN = 8192
 
 
 @dataclass(frozen=True, slots=True)
-class Engine:
+class BuiltCore:
+    """An engine core over its loaded model, and what its clients need to know of it."""
+
     core: EngineCore
     info: EngineInfo  # what a client of the engine needs to know (model name, sizes)
     device: torch.device
 
 
-def build_engine(config: EngineConfig) -> Engine:
-    """The engine ``config`` describes. Sets this process's PyTorch compute threads:
-    ``num_threads`` when given, else no more than ``usable_cpus`` (PyTorch follows the
-    affinity mask on its own, not a cgroup quota)."""
+def build_core(config: EngineConfig,
+               on_scheduled: Callable[[SchedulerStats], None] | None = None) -> BuiltCore:
+    """The engine core ``config`` describes (``on_scheduled``: its hook, see ``EngineCore``).
+    Sets this process's PyTorch compute threads: ``num_threads`` when given, else no more
+    than ``usable_cpus`` (PyTorch follows the affinity mask on its own, not a cgroup
+    quota)."""
     torch.set_num_threads(config.num_threads
                           or min(torch.get_num_threads(), usable_cpus()))
     device = pick_device() if config.device == "auto" else torch.device(config.device)
@@ -51,7 +57,8 @@ def build_engine(config: EngineConfig) -> Engine:
     runner = ModelRunner(model, device, dtype, num_blocks, config.block_size, seed=config.seed,
                          kernels=kernels, batch_invariant=config.batch_invariant,
                          kv_int8=kv_int8)
-    core = EngineCore(config, runner, num_blocks, max_model_len, model_config.kv_window)
+    core = EngineCore(config, runner, num_blocks, max_model_len, model_config.kv_window,
+                      on_scheduled)
     logger.info("model %s on %s (%s, quantization %s, kernels %s): %d KV blocks of %d "
                 "tokens (%s), max_model_len %d", model_name_for(config.model), device,
                 str(dtype).removeprefix("torch."), config.quantization,
@@ -59,7 +66,7 @@ def build_engine(config: EngineConfig) -> Engine:
                 config.block_size, "int8" if kv_int8 else "the model's dtype", max_model_len)
     info = EngineInfo(model_name_for(config.model), max_model_len, model_config.vocab_size,
                       num_blocks * config.block_size)
-    return Engine(core, info, device)
+    return BuiltCore(core, info, device)
 
 
 def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

@@ -1,10 +1,10 @@
 """The records that cross the pipe between the HTTP process and the engine process.
 
-    HTTP process                                         engine process
-    AsyncEngine --EngineCoreRequest / Abort / None---->  run_engine_loop
-                --Vocabulary (once, at start) -------->
-                <------- QueueState, StepReport -------
-                <------- EngineInfo (once, at start) --
+    HTTP process                                           engine process
+    ProcessClient --EngineCoreRequest / Abort / None---->  StepLoop
+                  --Vocabulary (once, at start) -------->
+                  <------- QueueState, StepReport -------
+                  <------- EngineInfo (once, at start) --
 
 (``Vocabulary``, the tokenizer that structured outputs compile for, is
 ``structured.compiler``'s.)

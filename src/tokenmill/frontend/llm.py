@@ -1,7 +1,9 @@
 """The offline API: ``LLM(model).generate(prompts, SamplingParams(...))``, as in vLLM.
 
-Runs the engine core synchronously on the calling thread; every prompt is submitted
-at once, so they are batched continuously like server traffic.
+Drives the engine through its in-process client (``engine.inproc``): the step loop the
+server's engine process runs turns on the calling thread. Every prompt is submitted at
+once, so they are batched continuously like server traffic. A failed step raises
+``RuntimeError``, its unfinished requests aborted.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from dataclasses import fields
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.records import FinishReason
-from tokenmill.engine.builder import Engine, build_engine
+from tokenmill.engine.inproc import InprocClient
+from tokenmill.engine.messages import StepReport
 from tokenmill.errors import InvalidParameterError
 from tokenmill.frontend.outputs import ChoiceDelta, CompletionOutput, RequestOutput
 from tokenmill.frontend.processor import InputProcessor
@@ -34,10 +37,10 @@ class LLM:
                 f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}",
                 unknown[0])
         model = local_model(model)  # a Hub repository's name: fetched into the cache
-        self.engine: Engine = build_engine(EngineConfig(model=model, **options))
+        self.client = InprocClient(EngineConfig(model=model, **options))
         self.tokenizer: Tokenizer = load_tokenizer(model)
-        self.processor = InputProcessor(self.tokenizer, self.engine.info)
-        self.engine.core.set_vocabulary(self.processor.vocabulary())
+        self.processor = InputProcessor(self.tokenizer, self.client.info)
+        self.client.set_vocabulary(self.processor.vocabulary())
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -77,39 +80,41 @@ class LLM:
         core_requests = self.processor.make_core_requests(request_id, prompt_ids, params)
         states = open_choices(core_requests, self.tokenizer, arrival)
         for r in core_requests:
-            self.engine.core.add_request(r)
+            self.client.add_request(r)
         text = prompt if isinstance(prompt, str) else None
         output = RequestOutput(request_id, text, prompt_ids,
                                [CompletionOutput(i) for i in range(params.n)])
         return output, states
 
-    def _stop_choice(self, req_id: str) -> None:
-        """A stop string ended the choice: the core stops computing it."""
-        self.engine.core.abort_requests([req_id], FinishReason.STOP)
-
     def _run(self, choices: dict[str, tuple[RequestOutput, ChoiceState]]):
-        core = self.engine.core
-        pending = set(choices)
+        unfinished = set(choices)  # in the core: each gets a final output from a later step
         try:
-            while pending:
-                if not core.can_step():  # only grammars compiling (structured outputs)
-                    core.wait_for_grammars(timeout=0.05)
-                    continue
-                for out in core.step().outputs:
-                    if out.req_id not in choices:
-                        continue
+            while unfinished:
+                report = self._next_step()
+                outputs = [o for o in report.outputs.outputs if o.req_id in unfinished]
+                unfinished -= {o.req_id for o in outputs if o.finished}
+                for out in outputs:
                     request_output, state = choices[out.req_id]
                     request_output.num_cached_tokens = out.num_cached_tokens
-                    delta = state.process(out, self._stop_choice)
-                    if delta is None:
-                        continue
-                    if delta.finished:
-                        pending.discard(out.req_id)
-                    yield request_output, state.mark_emitted(delta)
+                    delta = state.process(out)
+                    if delta is not None:
+                        yield request_output, state.mark_emitted(delta)
+                if report.failed:
+                    raise RuntimeError(report.error)
         finally:
-            if pending:  # the caller stopped early: free what is left
-                core.abort_requests(sorted(pending))
-                core.step()
+            if unfinished:  # the caller stopped early, or a step failed: free what is left
+                self.client.abort_requests(sorted(unfinished), FinishReason.ABORT)
+                while unfinished:
+                    unfinished -= {o.req_id for o in self._next_step().outputs.outputs
+                                   if o.finished}
+
+    def _next_step(self) -> StepReport:
+        """The next step's report (the queue states between steps are the server's)."""
+        while True:
+            report = self.client.get_output()
+            assert report is not None, "the offline engine is never shut down"
+            if isinstance(report, StepReport):
+                return report
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -1,26 +1,26 @@
-"""Frontend state of one API request: its choices' detokenisers, stop strings, token
-counts and lifecycle events, turning engine-core outputs into ``ChoiceDelta``s.
+"""Frontend state of one API request: its choices' detokenisers, token counts and
+lifecycle events, turning engine-core outputs into ``ChoiceDelta``s.
 
 Invariant: a choice's ``num_output_tokens`` counts exactly the tokens whose text the
-client has been (or will be) sent; tokens the core commits after a stop string matched
-are dropped here, and the core is told to stop that choice. When one step commits
-several tokens (speculative decoding), the cut falls at the token that completed the
-stop string.
+client has been (or will be) sent. Stop strings end a choice in the engine core, on the
+token that completes one (so no token follows it); the detokeniser here runs the same
+match over the same tokens to hold back what may become a stop string and to cut the
+text at the one that did.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
+from tokenmill.core.detokenizer import IncrementalDetokenizer
 from tokenmill.core.records import FinishReason, RequestCounters, RequestEvent, RequestEventType
 from tokenmill.core.request import EngineCoreRequest
 from tokenmill.core.types import EngineCoreOutput
 from tokenmill.frontend.outputs import ChoiceDelta
 from tokenmill.metrics.stats import RequestStats, compute_request_stats
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.tokenizer.detokenizer import IncrementalDetokenizer
 from tokenmill.tokenizer.tokenizer import Tokenizer
 
 
@@ -52,55 +52,29 @@ class ChoiceState:
         self.finished = False
         self.final_output: EngineCoreOutput | None = None
 
-    @property
-    def stopped_by_string(self) -> bool:
-        return self.detokenizer.stopped
-
-    def process(self, out: EngineCoreOutput,
-                stop_core: Callable[[str], None]) -> ChoiceDelta | None:
-        """The delta for one core output, or None when nothing reaches the client. When a
-        stop string ends the choice before the core has finished it, ``stop_core(req_id)``
-        is called once, to tell the core."""
+    def process(self, out: EngineCoreOutput) -> ChoiceDelta | None:
+        """The delta for one core output, or None when nothing reaches the client."""
         self.events.extend(out.events)
         self.num_cached_tokens = out.num_cached_tokens
-        token_ids: tuple[int, ...] = ()
-        text = ""
-        if not self.stopped_by_string and out.new_token_ids:
-            token_ids, text = self._detokenize(out.new_token_ids)
-            self.num_output_tokens += len(token_ids)
-            if self.stopped_by_string:
-                self.stop_reason = self.detokenizer.stop_reason
-                if not out.finished:
-                    stop_core(self.req_id)
-        logprobs = out.new_logprobs[:len(token_ids)] if out.new_logprobs and token_ids else None
+        token_ids = out.new_token_ids
+        text = self.detokenizer.add_tokens(token_ids) if token_ids else ""
+        self.num_output_tokens += len(token_ids)
+        logprobs = out.new_logprobs if out.new_logprobs and token_ids else None
         if not out.finished:
             if not token_ids:
                 return None
             return ChoiceDelta(self.index, text, token_ids, logprobs, self.num_output_tokens)
         self.finished = True
         self.final_output = out
-        reason = out.finish_reason
-        if self.stopped_by_string:
-            reason = FinishReason.STOP
+        if self.detokenizer.stopped:
+            self.stop_reason = self.detokenizer.stop_reason
         else:
             text += self.detokenizer.flush()
             stop_ids = self.params.stop_token_ids
-            if reason is FinishReason.STOP and token_ids and token_ids[-1] in stop_ids:
+            if out.finish_reason is FinishReason.STOP and token_ids and token_ids[-1] in stop_ids:
                 self.stop_reason = token_ids[-1]
         return ChoiceDelta(self.index, text, token_ids, logprobs, self.num_output_tokens,
-                           finish_reason=reason.value, stop_reason=self.stop_reason)
-
-    def _detokenize(self, new_ids: tuple[int, ...]) -> tuple[tuple[int, ...], str]:
-        """(tokens kept, their text): with stop strings, one token at a time, dropping
-        the tokens after the one that completes a stop string."""
-        if not self.params.stop or len(new_ids) == 1:
-            return new_ids, self.detokenizer.add_tokens(list(new_ids))
-        text = ""
-        for count, token_id in enumerate(new_ids, 1):
-            text += self.detokenizer.add_tokens([token_id])
-            if self.stopped_by_string:
-                return new_ids[:count], text
-        return new_ids, text
+                           finish_reason=out.finish_reason.value, stop_reason=self.stop_reason)
 
     def mark_emitted(self, delta: ChoiceDelta) -> ChoiceDelta:
         """Stamp the hand-over of ``delta`` to the client; the final one gets its stats."""
@@ -110,19 +84,11 @@ class ChoiceState:
         if not delta.finished:
             return delta
         self.events.append(RequestEvent(RequestEventType.FINISHED_EMITTED, now))
-        return replace(delta, stats=self.compute_stats(delta.finish_reason))
+        return replace(delta, stats=self.compute_stats())
 
-    def compute_stats(self, finish_reason: str) -> RequestStats:
+    def compute_stats(self) -> RequestStats:
         final = self.final_output
-        events = [_with_reason(e, FinishReason(finish_reason)) for e in self.events]
         return compute_request_stats(
-            events, num_prompt_tokens=self.num_prompt_tokens,
+            self.events, num_prompt_tokens=self.num_prompt_tokens,
             num_cached_tokens=self.num_cached_tokens,
             counters=final.counters if final and final.counters else RequestCounters())
-
-
-def _with_reason(event: RequestEvent, reason: FinishReason) -> RequestEvent:
-    """A stop string ends a choice as ``stop`` although the core saw an abort."""
-    if event.type is RequestEventType.FINISHED and event.finish_reason is not reason:
-        return replace(event, finish_reason=reason)
-    return event

@@ -61,7 +61,8 @@ def deployment_options(ray_config: RayConfig, config: EngineConfig) -> dict:
     return options
 
 
-def build_application(ray_config: RayConfig, server: ServerConfig, config: EngineConfig):
+def build_application(ray_config: RayConfig, server_config: ServerConfig,
+                      config: EngineConfig):
     """The Serve application of ``tokenmill serve --ray`` (for ``serve.run``): every replica
     receives the two settings records as they are."""
     from ray import serve
@@ -69,7 +70,7 @@ def build_application(ray_config: RayConfig, server: ServerConfig, config: Engin
     from tokenmill.ray_serve.replica import TokenmillReplica
 
     deployment = serve.deployment(TokenmillReplica, **deployment_options(ray_config, config))
-    return deployment.bind(server, config)
+    return deployment.bind(server_config, config)
 
 
 def start_local_ray(num_cpus: int | None = None, metrics_export_port: int | None = None) -> None:
@@ -82,7 +83,8 @@ def start_local_ray(num_cpus: int | None = None, metrics_export_port: int | None
     ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, **options)
 
 
-def serve_on_ray(ray_config: RayConfig, server: ServerConfig, config: EngineConfig) -> int:
+def serve_on_ray(ray_config: RayConfig, server_config: ServerConfig,
+                 config: EngineConfig) -> int:
     own_ray = ray_config.ray_address is None
     if own_ray:
         start_local_ray(metrics_export_port=ray_config.ray_metrics_export_port)
@@ -96,11 +98,12 @@ def serve_on_ray(ray_config: RayConfig, server: ServerConfig, config: EngineConf
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": server.host, "port": server.port})
-        serve.run(build_application(ray_config, server, config), name=APP_NAME,
+        serve.start(http_options={"host": server_config.host, "port": server_config.port})
+        serve.run(build_application(ray_config, server_config, config), name=APP_NAME,
                   route_prefix="/")
-        logger.info("serving on http://%s:%d with %d-%d Ray Serve replicas", server.host,
-                    server.port, ray_config.min_replicas, ray_config.max_replicas)
+        logger.info("serving on http://%s:%d with %d-%d Ray Serve replicas",
+                    server_config.host, server_config.port, ray_config.min_replicas,
+                    ray_config.max_replicas)
         stop.wait()
     finally:
         if own_ray:

@@ -23,7 +23,7 @@ from ray.serve import metrics as serve_metrics
 
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.core.records import IterationStats, SchedulerStats
-from tokenmill.engine.process import start_engine_process
+from tokenmill.engine.process import ProcessClient
 from tokenmill.metrics.prometheus import METRICS
 from tokenmill.ray_serve.load import TokenLoad
 from tokenmill.server.app import build_server
@@ -55,14 +55,15 @@ class ReplicaGauges:
 
 @serve.ingress()
 class TokenmillReplica:
-    def __init__(self, server: ServerConfig, config: EngineConfig) -> None:
+    def __init__(self, server_config: ServerConfig, config: EngineConfig) -> None:
         num_threads = max(1, int(ray.get_runtime_context().get_assigned_resources()
                                  .get("CPU", 1)))
         config = dataclasses.replace(config, num_threads=num_threads)
         self._load = TokenLoad()
-        conn, info, self._process = start_engine_process(config)
-        gauges = ReplicaGauges(server.served_model_name or info.model_name)
-        self._engine, self._app, _ = build_server(server, config, conn, info,
+        client = ProcessClient.start(config)
+        self._process = client.process
+        gauges = ReplicaGauges(server_config.served_model_name or client.info.model_name)
+        self._engine, self._app, _ = build_server(server_config, config, client,
                                                   [self._load, gauges])
         self._thread = threading.Thread(target=self._engine.run, name="tokenmill-results",
                                         daemon=True)

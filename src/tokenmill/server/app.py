@@ -8,23 +8,20 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from multiprocessing.connection import Connection
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill import __version__
 from tokenmill.config import EngineConfig, ServerConfig
-from tokenmill.engine.messages import EngineInfo
-from tokenmill.frontend.async_engine import AsyncEngine
+from tokenmill.engine.client import EngineClient
+from tokenmill.frontend.async_client import AsyncEngineClient
 from tokenmill.frontend.processor import InputProcessor
 from tokenmill.frontend.request_log import RequestLog
 from tokenmill.metrics.history import EngineHistory
 from tokenmill.metrics.log import StatLogger
 from tokenmill.metrics.prometheus import PrometheusMetrics
-from tokenmill.server.anthropic import MessagesServing
-from tokenmill.server.anthropic_protocol import CountTokensRequest, MessagesRequest
-from tokenmill.server.errors import APIError, error_response_for, install_error_handlers
+from tokenmill.server.errors import APIError, error_response, install_error_handlers
 from tokenmill.server.lifecycle import ServerLifecycle
 from tokenmill.server.middleware import RequestGate
 from tokenmill.server.protocol import (
@@ -33,8 +30,6 @@ from tokenmill.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from tokenmill.server.responses import ResponsesServing
-from tokenmill.server.responses_protocol import ResponsesRequest
 from tokenmill.server.serving import OpenAIServing
 from tokenmill.server.ui import install_ui
 from tokenmill.tokenizer.tokenizer import load_tokenizer
@@ -42,57 +37,55 @@ from tokenmill.tokenizer.tokenizer import load_tokenizer
 logger = logging.getLogger("tokenmill")
 
 
-def build_server(server: ServerConfig, config: EngineConfig, conn: Connection,
-                 info: EngineInfo, extra_step_sinks: Sequence = ()
-                 ) -> tuple[AsyncEngine, FastAPI, ServerLifecycle]:
-    """The engine client, the app and its lifecycle for ``server``'s options, around the
-    engine loop at the far end of ``conn`` (``engine.process``), which ``config`` built
-    and ``info`` describes.
+def build_server(server_config: ServerConfig, config: EngineConfig, client: EngineClient,
+                 extra_step_sinks: Sequence = ()
+                 ) -> tuple[AsyncEngineClient, FastAPI, ServerLifecycle]:
+    """The server's engine client, the app and its lifecycle for ``server_config``, around
+    the engine behind ``client`` (in a server, ``engine.process``), which ``config`` built.
 
     One code path for a single server and for every Ray Serve replica; ``extra_step_sinks``
     also receive each step's ``SchedulerStats`` (a replica reports its token load with them),
     even with ``--disable-log-stats``.
     """
     tokenizer = load_tokenizer(config.model)
+    info = client.info
     processor = InputProcessor(tokenizer, info)
-    server = dataclasses.replace(server,
-                                 served_model_name=server.served_model_name or info.model_name)
-    name = server.served_model_name
-    metrics = PrometheusMetrics(name, vllm_names=server.metrics_vllm_names,
+    server_config = dataclasses.replace(
+        server_config, served_model_name=server_config.served_model_name or info.model_name)
+    name = server_config.served_model_name
+    metrics = PrometheusMetrics(name, vllm_names=server_config.metrics_vllm_names,
                                 engine_pid=info.pid)
-    stats = server.stats
-    stat_logger = StatLogger(name, server.log_stats_interval,
+    stats = server_config.stats
+    stat_logger = StatLogger(name, server_config.log_stats_interval,
                              speculative=config.speculative_ngram > 0) if stats else None
     history = EngineHistory() if stats else None
-    request_log = RequestLog(tokenizer, keep_text=server.ui_show_text) if stats else None
+    request_log = RequestLog(tokenizer, keep_text=server_config.ui_show_text) if stats else None
     step_sinks = [metrics, stat_logger, history] if stats else []
     finished_sinks = [metrics, history] if stats else []
-    async_engine = AsyncEngine(conn, tokenizer, [*step_sinks, *extra_step_sinks], finished_sinks,
-                               config.max_num_queued_requests, config.max_num_queued_tokens,
-                               request_log)
-    async_engine.set_vocabulary(processor.vocabulary())
-    lifecycle = ServerLifecycle(async_engine, server.shutdown_timeout)
+    engine = AsyncEngineClient(client, tokenizer, [*step_sinks, *extra_step_sinks],
+                               finished_sinks, config.max_num_queued_requests,
+                               config.max_num_queued_tokens, request_log)
+    engine.set_vocabulary(processor.vocabulary())
+    lifecycle = ServerLifecycle(engine, server_config.shutdown_timeout)
     engine_limits = {"max_num_seqs": config.max_num_seqs,
                      "max_num_batched_tokens": config.max_num_batched_tokens,
                      "max_model_len": info.max_model_len,
                      "kv_cache_tokens_total": info.kv_cache_tokens}
-    app = build_app(async_engine, processor, metrics, server, stat_logger, lifecycle, history,
+    app = build_app(engine, processor, metrics, server_config, stat_logger, lifecycle, history,
                     engine_limits)
-    return async_engine, app, lifecycle
+    return engine, app, lifecycle
 
 
-def build_app(engine: AsyncEngine, processor: InputProcessor, metrics: PrometheusMetrics,
-              options: ServerConfig, stat_logger: StatLogger | None = None,
+def build_app(engine: AsyncEngineClient, processor: InputProcessor, metrics: PrometheusMetrics,
+              server_config: ServerConfig, stat_logger: StatLogger | None = None,
               lifecycle: ServerLifecycle | None = None,
               history: EngineHistory | None = None,
               engine_limits: dict[str, int] | None = None) -> FastAPI:
-    """``options.served_model_name`` is set; ``history`` (and the engine's request log)
+    """``server_config.served_model_name`` is set; ``history`` (and the engine's request log)
     feed the dashboard, None when stats are off; ``engine_limits`` are the engine's sizes
     it shows (``ui.install_ui``)."""
     max_model_len = processor.max_model_len
-    serving = OpenAIServing(engine, processor, metrics, options)
-    responses_serving = ResponsesServing(serving, options.served_model_name)
-    messages_serving = MessagesServing(serving, options.served_model_name)
+    serving = OpenAIServing(engine, processor, metrics, server_config)
     lifecycle = lifecycle or ServerLifecycle(engine, shutdown_timeout=0.0)
 
     @contextlib.asynccontextmanager
@@ -109,7 +102,7 @@ def build_app(engine: AsyncEngine, processor: InputProcessor, metrics: Prometheu
 
     app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(RequestGate, limits=options.limits, api_keys=options.api_keys,
+    app.add_middleware(RequestGate, limits=server_config.limits, api_keys=server_config.api_keys,
                        lifecycle=lifecycle)
 
     @app.get("/health")
@@ -118,7 +111,7 @@ def build_app(engine: AsyncEngine, processor: InputProcessor, metrics: Prometheu
         failed engine steps (an orchestrator should then restart it)."""
         status = ("ok" if lifecycle.healthy() else
                   "draining" if lifecycle.draining else "failing")
-        return JSONResponse({"status": status, "model": options.served_model_name,
+        return JSONResponse({"status": status, "model": server_config.served_model_name,
                              "engine_alive": engine.alive},
                             status_code=200 if status == "ok" else 503)
 
@@ -129,7 +122,7 @@ def build_app(engine: AsyncEngine, processor: InputProcessor, metrics: Prometheu
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{
-            "id": options.served_model_name, "object": "model", "created": int(time.time()),
+            "id": server_config.served_model_name, "object": "model", "created": int(time.time()),
             "owned_by": "tokenmill", "max_model_len": max_model_len}]}
 
     @app.post("/v1/completions")
@@ -139,18 +132,6 @@ def build_app(engine: AsyncEngine, processor: InputProcessor, metrics: Prometheu
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         return await serving.chat(body, request.state.request_id, request.receive)
-
-    @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest, request: Request):
-        return await responses_serving.create(body, request.state.request_id, request.receive)
-
-    @app.post("/v1/messages")
-    async def messages(body: MessagesRequest, request: Request):
-        return await messages_serving.create(body, request.state.request_id, request.receive)
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(body: CountTokensRequest) -> dict:
-        return await messages_serving.count_tokens(body)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -178,12 +159,12 @@ def build_app(engine: AsyncEngine, processor: InputProcessor, metrics: Prometheu
         payload, content_type = metrics.render()
         return Response(payload, media_type=content_type)
 
-    install_ui(app, options.served_model_name, engine_limits or {}, history,
+    install_ui(app, server_config.served_model_name, engine_limits or {}, history,
                engine.request_log)
 
     @app.exception_handler(ValueError)
-    async def _bad_value(request: Request, exc: ValueError) -> JSONResponse:
-        return error_response_for(request.url.path, 400, str(exc))
+    async def _bad_value(_: Request, exc: ValueError) -> JSONResponse:
+        return error_response(400, str(exc))
 
     return app
 

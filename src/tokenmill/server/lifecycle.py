@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Callable
 
-from tokenmill.frontend.async_engine import AsyncEngine
+from tokenmill.frontend.async_client import AsyncEngineClient
 
 logger = logging.getLogger("tokenmill")
 
@@ -25,7 +25,7 @@ _ABORT_GRACE_S = 5.0  # for aborted requests to send their last chunks
 
 
 class ServerLifecycle:
-    def __init__(self, engine: AsyncEngine, shutdown_timeout: float) -> None:
+    def __init__(self, engine: AsyncEngineClient, shutdown_timeout: float) -> None:
         self.engine = engine
         self.shutdown_timeout = shutdown_timeout
         self.draining = False

@@ -3,7 +3,7 @@
 The engine builds the model and steps in its own process (``engine.process``), which
 ignores both signals and ends when told to or when this process goes. In this one,
 uvicorn runs its event loop on a second thread and the main thread hands the engine's
-results to it (``AsyncEngine.run``); the server stops when the engine loop ends. A first
+results to it (``AsyncEngineClient.run``); the server stops when the engine loop ends. A first
 signal drains the server (``ServerLifecycle.drain``: new requests get 503, those in
 flight get up to ``--shutdown-timeout`` seconds, then are aborted with their usage) and
 then stops it; a second one stops at once.
@@ -19,22 +19,22 @@ from collections.abc import Callable
 import uvicorn
 
 from tokenmill.config import EngineConfig, ServerConfig
-from tokenmill.engine.process import start_engine_process
-from tokenmill.frontend.async_engine import AsyncEngine
+from tokenmill.engine.process import ProcessClient
+from tokenmill.frontend.async_client import AsyncEngineClient
 from tokenmill.server.app import build_server
 
 
-def serve(options: ServerConfig, config: EngineConfig,
+def serve(server_config: ServerConfig, config: EngineConfig,
           engine_setup: Callable[[], None] | None = None) -> int:
     """Serve until stopped; the exit status (0, or 1 when the server never started).
     Both processes log at the root logger's level; ``engine_setup`` runs first in the
-    engine process (``start_engine_process``'s ``setup``)."""
+    engine process (``ProcessClient.start``'s ``setup``)."""
     log_level = logging.getLogger().level
-    conn, info, engine_process = start_engine_process(config, log_level, engine_setup)
-    async_engine, app, lifecycle = build_server(options, config, conn, info)
-    server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port,
+    client = ProcessClient.start(config, log_level, engine_setup)
+    engine, app, lifecycle = build_server(server_config, config, client)
+    server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                            log_level=log_level, timeout_graceful_shutdown=5))
-    http_thread = threading.Thread(target=_serve_http, args=(server, async_engine),
+    http_thread = threading.Thread(target=_serve_http, args=(server, engine),
                                    name="tokenmill-http")
 
     def exit_server() -> None:
@@ -50,14 +50,14 @@ def serve(options: ServerConfig, config: EngineConfig,
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     http_thread.start()
-    async_engine.run()  # until the engine loop ends (shut down, or the process died)
+    engine.run()  # until the engine loop ends (shut down, or the process died)
     exit_server()
     http_thread.join()
-    engine_process.join(timeout=30)
+    client.process.join(timeout=30)
     return 0 if server.started else 1
 
 
-def _serve_http(server: uvicorn.Server, engine: AsyncEngine) -> None:
+def _serve_http(server: uvicorn.Server, engine: AsyncEngineClient) -> None:
     """uvicorn's loop, off the main thread; when it ends (or fails to start), so does the engine."""
     try:
         server.run()

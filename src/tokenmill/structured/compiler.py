@@ -47,15 +47,15 @@ class Vocabulary:
 
 
 class GrammarCompiler:
-    """Compiles and caches grammars; see the module docstring. ``on_compiled``, when set,
+    """Compiles and caches grammars; see the module docstring. ``on_compiled``, when given,
     is called (on the worker thread) after each compilation: the engine loop's wake-up."""
 
     def __init__(self, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, cache_size: int = 128,
-                 num_threads: int = 1) -> None:
+                 num_threads: int = 1, on_compiled: Callable[[], None] | None = None) -> None:
         self.timeout_s = timeout_s
         self.cache_size = cache_size
         self.num_threads = num_threads
-        self.on_compiled: Callable[[], None] | None = None
+        self._on_compiled = on_compiled
         self._vocabulary: Vocabulary | None = None
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_lock = threading.Lock()
@@ -132,8 +132,8 @@ class GrammarCompiler:
                 self._compile_times.append(time.monotonic() - start)
 
     def _compiled(self, _future: Future) -> None:
-        if self.on_compiled is not None:
-            self.on_compiled()
+        if self._on_compiled is not None:
+            self._on_compiled()
 
     def _ll_tokenizer(self) -> llguidance.LLTokenizer:
         with self._tokenizer_lock:

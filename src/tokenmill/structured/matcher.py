@@ -42,6 +42,11 @@ class RequestGrammar:
     def ready(self) -> bool:
         return self.matcher is not None
 
+    @property
+    def deadline(self) -> float:
+        """When a compilation still running fails (``time.monotonic()``)."""
+        return self._deadline
+
     def poll(self) -> bool:
         """Whether the grammar is ready; raises ``GrammarError`` when its compilation
         failed or has run past the compile timeout."""

@@ -1,5 +1,10 @@
 """Turn a request's generated tokens into text deltas, one step at a time.
 
+Two places run it over the same tokens: the frontend, for the text the client sees, and
+the engine core, to stop a request on the token that completes a stop string
+(``Scheduler.check_stop``). Both decode with the same tokenizer (the engine's is built
+from the ``Vocabulary`` it was sent), so both find a stop string at the same token.
+
 Decoding one token alone is wrong in two ways: a byte-level token may hold only part of
 a UTF-8 character, and a SentencePiece token's leading space depends on what precedes
 it. So text is decoded over a small window of tokens, with two offsets (as in vLLM and
@@ -31,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from tokenmill.tokenizer.stop import StopStrings
+from tokenmill.core.stop import StopStrings
 
 PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"

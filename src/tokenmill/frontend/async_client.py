@@ -1,18 +1,19 @@
-"""The server's engine client: the engine core runs its step loop at the far end of a pipe
-(``engine.process``: its own process in the server), the server's event loop on this side;
-each API request gets its own asyncio stream of ``ChoiceDelta``s.
+"""The server's asyncio face of an ``EngineClient`` (``engine.client``: in the server, the
+engine process at the far end of a pipe): each API request gets its own asyncio stream
+of ``ChoiceDelta``s.
 
-    event loop thread                  receiver (``run``)           engine loop
-    -----------------                  ------------------           -----------
-    add_request()/abort --pipe: EngineCoreRequest / Abort ---------> core.step()
-    RequestStream <--call_soon_threadsafe-- conn.recv() <-- StepResult
-      (detokenise, stop strings, stats)
+    event loop thread                  receiver (``run``)               step loop
+    -----------------                  ------------------               ---------
+    add_request()/abort -- EngineClient: EngineCoreRequest / Abort ---> core.step()
+    RequestStream <--call_soon_threadsafe-- client.get_output() <-- StepReport
+      (detokenise, hold back what may be a stop string, stats)
 
-Detokenisation, stop strings and stats maths run on the event loop, off the step
-loop. An abort reaches the core before its next step. Each step reports the scheduler's
-gauges twice: once it has scheduled (``QueueState``) and once it is done (its
-``StepResult``); step sinks see both. Admission control counts the waiting queue as the
-core last reported it plus what was sent since and not yet taken by the core.
+Detokenisation and stats maths run on the event loop, off the step loop; stop strings
+end a choice in the engine, on the token that completes one. An abort reaches the core
+before its next step. Each step reports the scheduler's gauges twice: once it has
+scheduled (``QueueState``) and once it is done (its ``StepReport``); step sinks see
+both. Admission control counts the waiting queue as the core last reported it plus what
+was sent since and not yet taken by the core.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator
-from multiprocessing.connection import Connection
 
 from tokenmill.core.records import FinishReason, SchedulerStats
 from tokenmill.core.request import EngineCoreRequest
 from tokenmill.core.types import EngineCoreOutput
-from tokenmill.engine.messages import Abort, QueueState, StepReport
+from tokenmill.engine.client import EngineClient
+from tokenmill.engine.messages import QueueState, StepReport
 from tokenmill.frontend.outputs import ChoiceDelta
 from tokenmill.frontend.request_log import RequestLog
 from tokenmill.frontend.request_state import ChoiceState, open_choices
@@ -48,7 +49,7 @@ class AdmissionRejected(Exception):
 class RequestStream:
     """The deltas of one API request's choices, in the order the engine produced them."""
 
-    def __init__(self, engine: AsyncEngine, choices: list[ChoiceState],
+    def __init__(self, engine: AsyncEngineClient, choices: list[ChoiceState],
                  request_id: str = "") -> None:
         self.engine = engine
         self.request_id = request_id  # the API request's id, for the log
@@ -66,7 +67,7 @@ class RequestStream:
 
     def _on_output(self, out: EngineCoreOutput) -> None:
         choice = self.choices[out.req_id]
-        delta = choice.process(out, self._stop_choice)
+        delta = choice.process(out)
         if delta is None:
             return
         if self._closed:  # nobody reads any more: finish the accounting here
@@ -74,10 +75,6 @@ class RequestStream:
                 self._finish(choice.mark_emitted(delta))
             return
         self._queue.put_nowait(delta)
-
-    def _stop_choice(self, req_id: str) -> None:
-        """A stop string ended the choice: the core stops computing it."""
-        self.engine.abort_choices([req_id], FinishReason.STOP)
 
     def _finish(self, delta: ChoiceDelta) -> None:
         if self._closed:
@@ -120,21 +117,20 @@ class RequestStream:
                                   FinishReason.ABORT)
 
 
-class AsyncEngine:
-    """The server side of the engine pipe ``conn`` (see the module docstring)."""
+class AsyncEngineClient:
+    """The server's client of the engine behind ``client`` (see the module docstring)."""
 
-    def __init__(self, conn: Connection, tokenizer: Tokenizer, step_sinks=(), finished_sinks=(),
-                 max_num_queued_requests: int | None = None,
+    def __init__(self, client: EngineClient, tokenizer: Tokenizer, step_sinks=(),
+                 finished_sinks=(), max_num_queued_requests: int | None = None,
                  max_num_queued_tokens: int | None = None,
                  request_log: RequestLog | None = None) -> None:
-        self.conn = conn
+        self.client = client
         self.tokenizer = tokenizer
         self.step_sinks = list(step_sinks)  # record_step(SchedulerStats, IterationStats | None)
         self.finished_sinks = list(finished_sinks)  # record_finished(RequestStats)
         self.max_num_queued_requests = max_num_queued_requests
         self.max_num_queued_tokens = max_num_queued_tokens
         self.request_log = request_log  # recent requests' lifecycles, for the dashboard
-        self._send_lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}  # by choice (engine request) id
         self._open_streams: set[RequestStream] = set()  # responses not yet closed
         self.consecutive_failures = 0  # failed steps since the last good one
@@ -152,20 +148,14 @@ class AsyncEngine:
         self._attached.set()
 
     def shutdown(self) -> None:
-        """Stop the engine loop; ``run`` returns once it has closed its end of the pipe."""
+        """Stop the engine loop; ``run`` returns once it has ended."""
         self._attached.set()
-        self._send(None)
+        self.client.shutdown()
 
     def set_vocabulary(self, vocabulary: Vocabulary) -> None:
-        """Give the engine the tokenizer its grammars compile for (before any request)."""
-        self._send(vocabulary)
-
-    def _send(self, item: EngineCoreRequest | Abort | Vocabulary | None) -> None:
-        with self._send_lock:
-            try:
-                self.conn.send(item)
-            except (BrokenPipeError, OSError):
-                pass  # the engine loop is gone; ``run`` has seen or will see it end
+        """Give the engine the tokenizer of structured outputs and stop strings (before
+        any request)."""
+        self.client.set_vocabulary(vocabulary)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, core_requests: list[EngineCoreRequest], arrival_ts: float,
@@ -189,7 +179,7 @@ class AsyncEngine:
         self._pending_tokens += sum(len(r.prompt_token_ids) for r in core_requests)
         for r in core_requests:
             self._streams[r.req_id] = stream
-            self._send(r)
+            self.client.add_request(r)
         return stream
 
     def _admit(self, core_requests: list[EngineCoreRequest]) -> None:
@@ -223,7 +213,7 @@ class AsyncEngine:
 
     def abort_choices(self, req_ids: list[str], reason: FinishReason) -> None:
         if req_ids:
-            self._send(Abort(req_ids, reason))
+            self.client.abort_requests(req_ids, reason)
 
     def on_choice_finished(self, choice: ChoiceState, stats: RequestStats | None) -> None:
         if stats is not None:
@@ -237,14 +227,10 @@ class AsyncEngine:
         """Hand every ``StepReport`` to the event loop until the engine loop ends; blocks.
         Starts reading once ``attach`` gave it a loop."""
         self._attached.wait()
-        while True:
-            try:
-                result = self.conn.recv()
-            except (EOFError, OSError):
-                self.alive = False
-                return
+        while (result := self.client.get_output()) is not None:
             if self._loop is not None:
                 self._loop.call_soon_threadsafe(self._dispatch, result)
+        self.alive = False
 
     def _dispatch(self, result: StepReport | QueueState) -> None:
         if isinstance(result, QueueState):
