@@ -21,7 +21,9 @@ from tokenmill.frontend.request_log import RequestLog
 from tokenmill.metrics.history import EngineHistory
 from tokenmill.metrics.log import StatLogger
 from tokenmill.metrics.prometheus import PrometheusMetrics
-from tokenmill.server.errors import APIError, error_response, install_error_handlers
+from tokenmill.server.anthropic import MessagesServing
+from tokenmill.server.anthropic_protocol import CountTokensRequest, MessagesRequest
+from tokenmill.server.errors import APIError, error_response_for, install_error_handlers
 from tokenmill.server.lifecycle import ServerLifecycle
 from tokenmill.server.middleware import RequestGate
 from tokenmill.server.protocol import (
@@ -30,6 +32,8 @@ from tokenmill.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from tokenmill.server.responses import ResponsesServing
+from tokenmill.server.responses_protocol import ResponsesRequest
 from tokenmill.server.serving import OpenAIServing
 from tokenmill.server.ui import install_ui
 from tokenmill.tokenizer.tokenizer import load_tokenizer
@@ -86,6 +90,8 @@ def build_app(engine: AsyncEngineClient, processor: InputProcessor, metrics: Pro
     it shows (``ui.install_ui``)."""
     max_model_len = processor.max_model_len
     serving = OpenAIServing(engine, processor, metrics, server_config)
+    responses_serving = ResponsesServing(serving, server_config.served_model_name)
+    messages_serving = MessagesServing(serving, server_config.served_model_name)
     lifecycle = lifecycle or ServerLifecycle(engine, shutdown_timeout=0.0)
 
     @contextlib.asynccontextmanager
@@ -133,6 +139,18 @@ def build_app(engine: AsyncEngineClient, processor: InputProcessor, metrics: Pro
     async def chat(body: ChatCompletionRequest, request: Request):
         return await serving.chat(body, request.state.request_id, request.receive)
 
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await responses_serving.create(body, request.state.request_id, request.receive)
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request):
+        return await messages_serving.create(body, request.state.request_id, request.receive)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest) -> dict:
+        return await messages_serving.count_tokens(body)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         serving.check_model(body.model)
@@ -163,8 +181,8 @@ def build_app(engine: AsyncEngineClient, processor: InputProcessor, metrics: Pro
                engine.request_log)
 
     @app.exception_handler(ValueError)
-    async def _bad_value(_: Request, exc: ValueError) -> JSONResponse:
-        return error_response(400, str(exc))
+    async def _bad_value(request: Request, exc: ValueError) -> JSONResponse:
+        return error_response_for(request.url.path, 400, str(exc))
 
     return app
 

@@ -23,7 +23,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -44,7 +44,9 @@ from tokenmill.sampling_params import SamplingParams, StructuredOutput
 from tokenmill.server.errors import APIError, error_body
 from tokenmill.server.formats import ChatFormat, CompletionFormat
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, _Common
+from tokenmill.server.reasoning import ReasoningParser
 from tokenmill.server.tools import ToolPlan, parser_for_template, plan_tools
+from tokenmill.server.usage import ReasoningCount, UsageCounter
 from tokenmill.structured.grammar import GrammarError, check_structured_output
 
 logger = logging.getLogger("tokenmill")
@@ -53,7 +55,7 @@ T = TypeVar("T")
 
 
 @dataclass(slots=True)
-class _Job:
+class Job:
     """One API request in flight: its prompts, stream and running totals."""
 
     response_id: str
@@ -62,27 +64,31 @@ class _Job:
     params: SamplingParams
     prompt_ids: list[list[int]]
     echo_texts: list[str] | None
-    completion_tokens: dict[int, int] = field(default_factory=dict)
-    cached_tokens: dict[int, int] = field(default_factory=dict)
+    usage: UsageCounter
     metrics: dict[int, dict] = field(default_factory=dict)
 
     def prompt_index(self, choice_index: int) -> int:
         return choice_index // self.params.n
 
-    def usage(self) -> dict:
-        prompt = sum(len(p) for p in self.prompt_ids)
-        completion = sum(self.completion_tokens.values())
-        cached = sum(self.cached_tokens.get(i * self.params.n, 0)
-                     for i in range(len(self.prompt_ids)))
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
-
-    def record(self, delta: ChoiceDelta, choice_cached_tokens: int) -> None:
-        self.completion_tokens[delta.index] = delta.num_output_tokens
-        self.cached_tokens[delta.index] = choice_cached_tokens
+    def record(self, delta: ChoiceDelta) -> None:
+        self.usage.record(delta, self.stream.num_cached_tokens(delta.index))
         if delta.stats is not None:
             self.metrics[delta.index] = {"index": delta.index, **delta.stats.to_dict()}
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPlan:
+    """A chat request checked and rendered, ready for the engine (``OpenAIServing.plan_chat``);
+    the other chat-shaped APIs (Responses, Anthropic's Messages) start from one too."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    format: ChatFormat
+    reasoning: ReasoningCount | None  # a choice's reasoning tokens, with a reasoning parser
+
+
+class EngineFailed(Exception):
+    """The engine ended the request with an error (``chat_deltas``)."""
 
 
 class OpenAIServing:
@@ -97,6 +103,8 @@ class OpenAIServing:
         parser = server_config.tool_call_parser
         self.tool_call_parser = (parser_for_template(self.tokenizer.chat_template)
                                  if parser == "auto" else parser)
+        self.reasoning = (ReasoningParser(server_config.reasoning_parser)
+                          if server_config.reasoning_parser else None)
 
     # ---------------------------------------------------------------- entry
     async def completions(self, body: CompletionRequest, request_id: str, receive: Receive):
@@ -112,6 +120,12 @@ class OpenAIServing:
         return await self._serve(body, params, request_id, prompt_ids, echo, fmt, receive)
 
     async def chat(self, body: ChatCompletionRequest, request_id: str, receive: Receive):
+        plan = await self.plan_chat(body)
+        return await self._serve(body, plan.params, request_id, [plan.prompt_ids], None,
+                                 plan.format, receive, plan.reasoning)
+
+    async def plan_chat(self, body: ChatCompletionRequest) -> ChatPlan:
+        """``body`` checked (a 400 naming the field otherwise) and rendered."""
         params = self._checked_params(body, "top_logprobs")
         constraint, field = body.structured_output()
         plan = self._tool_plan(body)
@@ -121,13 +135,28 @@ class OpenAIServing:
                     f"tool_choice {plan.mode!r} writes the output with a grammar of its own; "
                     f"it cannot be combined with {field}", "tool_choice")
             constraint, field = plan.constraint, "tools"
-            params.structured_output = constraint
-        await self._check_constraint(constraint, field)
         ids = self.tokenizer.apply_chat_template(body.message_dicts(),
                                                  add_generation_prompt=body.add_generation_prompt,
                                                  tools=plan.tools)
-        return await self._serve(body, params, request_id, [self.processor.tokenize(ids)], None,
-                                 ChatFormat(self.tokenizer, plan), receive)
+        prompt_ids = self.processor.tokenize(ids)
+        reasoning = self.reasoning
+        if reasoning is None:
+            params.structured_output = constraint
+            await self._check_constraint(constraint, field)
+            return ChatPlan(params, prompt_ids, ChatFormat(self.tokenizer, plan), None)
+        tail = self.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
+        params.structured_output = reasoning.constraint(constraint, tail, field or "")
+        await self._check_constraint(params.structured_output, field)
+        params.skip_special_tokens = params.skip_special_tokens and reasoning.skip_special_tokens
+
+        def decode(ids: Sequence[int]) -> str:
+            return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+
+        def count(output_ids: Sequence[int]) -> int:
+            return reasoning.reasoning_tokens(decode, tail, output_ids)
+
+        fmt = ChatFormat(self.tokenizer, plan, lambda: reasoning.stream(tail))
+        return ChatPlan(params, prompt_ids, fmt, count)
 
     def _tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
         choice = body.tool_choice
@@ -160,7 +189,16 @@ class OpenAIServing:
 
     async def _serve(self, body: _Common, params: SamplingParams, request_id: str,
                      prompt_ids: list[list[int]], echo: list[str] | None, fmt: CompletionFormat,
-                     receive: Receive):
+                     receive: Receive, reasoning: ReasoningCount | None = None):
+        job = self.start(params, request_id, prompt_ids, echo, fmt, reasoning)
+        if body.stream:
+            return _EngineStreamResponse(job.stream, self._sse(job, body, fmt))
+        return await self.respond(job, self._collect(job, body, fmt), receive)
+
+    def start(self, params: SamplingParams, request_id: str, prompt_ids: list[list[int]],
+              echo: list[str] | None, fmt: CompletionFormat,
+              reasoning: ReasoningCount | None = None) -> Job:
+        """Admit the request to the engine (a 503 when the queue is full) and open its job."""
         arrival = time.monotonic()
         # NOTE: clients choose request ids (x-request-id) and may reuse them; engine ids
         # must be unique, so the engine gets its own.
@@ -176,15 +214,41 @@ class OpenAIServing:
             self.metrics.record_rejection(rejected.reason)
             raise
         self.metrics.record_request_params(params.n, params.max_tokens)  # as the request set it
-        job = _Job(fmt.id_prefix + request_id, int(time.time()), stream, params, prompt_ids, echo)
-        if body.stream:
-            return _EngineStreamResponse(stream, self._sse(job, body, fmt))
+        usage = UsageCounter(prompt_ids, params.n, reasoning)
+        return Job(fmt.id_prefix + request_id, int(time.time()), stream, params, prompt_ids,
+                   echo, usage)
+
+    @staticmethod
+    def stream_response(job: Job, events: AsyncIterator[str]) -> StreamingResponse:
+        """An SSE response of ``events`` that closes ``job``'s stream however it ends."""
+        return _EngineStreamResponse(job.stream, events)
+
+    @staticmethod
+    async def respond(job: Job, body: Awaitable[dict], receive: Receive) -> Response:
+        """``body`` as JSON, unless the client leaves first; ``job``'s stream is closed."""
         try:
-            return JSONResponse(await _unless_disconnected(self._collect(job, body, fmt), receive))
+            return JSONResponse(await _unless_disconnected(body, receive))
         except _ClientGone:  # the stream's close logs how each choice ended
             return Response(status_code=499)  # nobody reads it
         finally:
-            stream.close()
+            job.stream.close()
+
+    @staticmethod
+    async def chat_deltas(job: Job, fmt: ChatFormat
+                          ) -> AsyncIterator[tuple[ChoiceDelta, dict | None]]:
+        """Each delta of ``job`` (recorded in its usage) with its chat chunk's choice (None:
+        held back); ``EngineFailed`` when the engine fails the request."""
+        started: set[int] = set()
+        async for delta in job.stream:
+            job.record(delta)
+            if delta.finish_reason == "error":
+                raise EngineFailed(job.stream.error or "the engine failed this request")
+            choice = fmt.stream_choice(delta.index, delta.text, delta.logprobs,
+                                       delta.finish_reason, delta.stop_reason,
+                                       delta.index not in started)
+            if choice is not None:
+                started.add(delta.index)
+            yield delta, choice
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.server_config.served_model_name:
@@ -202,17 +266,17 @@ class OpenAIServing:
         include_metrics = bool(opts and opts.include_metrics)
         return bool(include_usage), bool(include_usage and continuous), include_metrics
 
-    async def _sse(self, job: _Job, body: _Common, fmt: CompletionFormat) -> AsyncIterator[str]:
+    async def _sse(self, job: Job, body: _Common, fmt: CompletionFormat) -> AsyncIterator[str]:
         include_usage, continuous, include_metrics = self._stream_flags(body)
         started: set[int] = set()
         head = {"id": job.response_id, "object": fmt.object_stream, "created": job.created,
                 "model": self.server_config.served_model_name}
         async for delta in job.stream:
-            job.record(delta, job.stream.num_cached_tokens(delta.index))
+            job.record(delta)
             if delta.finish_reason == "error":
                 event = error_body(500, job.stream.error or "the engine failed this request")
                 if include_usage:
-                    event["usage"] = job.usage()
+                    event["usage"] = job.usage.openai()
                 yield _sse_data(event)
                 job.stream.abort()
                 break
@@ -235,20 +299,20 @@ class OpenAIServing:
             if include_usage or include_metrics:
                 final = {**head, "choices": []}
                 if include_usage:
-                    final["usage"] = job.usage()
+                    final["usage"] = job.usage.openai()
                 if include_metrics:
                     final["metrics"] = [job.metrics[i] for i in sorted(job.metrics)]
                 yield _sse_data(final)
         yield "data: [DONE]\n\n"
 
     # --------------------------------------------------------- non-streaming
-    async def _collect(self, job: _Job, body: _Common, fmt: CompletionFormat) -> dict:
+    async def _collect(self, job: Job, body: _Common, fmt: CompletionFormat) -> dict:
         total = len(job.prompt_ids) * job.params.n
         texts = [""] * total
         logprobs: list[list | None] = [None] * total
         finish: list[tuple[str | None, object]] = [(None, None)] * total
         async for delta in job.stream:
-            job.record(delta, job.stream.num_cached_tokens(delta.index))
+            job.record(delta)
             if delta.finish_reason == "error":
                 raise APIError(500, job.stream.error or "the engine failed this request")
             texts[delta.index] += delta.text
@@ -264,7 +328,7 @@ class OpenAIServing:
             choices.append(fmt.full_choice(i, text, logprobs[i], *finish[i]))
         response = {"id": job.response_id, "object": fmt.object_full, "created": job.created,
                     "model": self.server_config.served_model_name, "choices": choices,
-                    "usage": job.usage()}
+                    "usage": job.usage.openai()}
         if body.include_metrics:
             response["metrics"] = [job.metrics[i] for i in sorted(job.metrics)]
         return response
