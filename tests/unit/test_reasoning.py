@@ -10,7 +10,9 @@ import pytest
 from tokenmill.config import ServerConfig
 from tokenmill.errors import InvalidParameterError
 from tokenmill.sampling_params import StructuredOutput
+from tokenmill.server.formats import ChatFormat
 from tokenmill.server.reasoning import ReasoningParser
+from tokenmill.server.tools import plan_tools
 from tokenmill.structured.grammar import check_structured_output, grammar_text
 
 HARMONY = ("<|channel|>analysis<|message|>Think hard.<|end|><|start|>assistant"
@@ -152,3 +154,24 @@ class _ByteTokenizer:
 
     def __call__(self, text, **_):
         return list(text.encode() if isinstance(text, str) else text)
+
+
+def test_chat_format_sends_reasoning_content_before_content_and_calls() -> None:
+    parser = ReasoningParser("qwen3")
+    plan = plan_tools([{"type": "function", "function": {"name": "f"}}], "auto", None, True,
+                      "hermes")
+    fmt = ChatFormat(None, plan, lambda: parser.stream(""))  # type: ignore[arg-type]
+    texts = ["<think>a", "b</thi", "nk>\n\nc", '<tool_call>{"name": "f", "arguments": {}}',
+             "</tool_call>"]
+    deltas = [fmt.stream_choice(0, t, None, None, None, i == 0) for i, t in enumerate(texts)]
+    last = fmt.stream_choice(0, "", None, "stop", None, False)
+    assert [d["delta"].get("reasoning_content") for d in deltas[:2]] == ["a", "b"]
+    assert deltas[2]["delta"]["content"] == "\n\nc"
+    assert deltas[3] is None  # the call is being written
+    assert deltas[4]["delta"]["tool_calls"][0]["function"]["name"] == "f"
+    assert last["finish_reason"] == "tool_calls"
+    full = ChatFormat(None, plan, lambda: parser.stream("")).full_choice(  # type: ignore[arg-type]
+        0, "".join(texts), None, "stop", None)
+    message = full["message"]
+    assert message["reasoning_content"] == "ab" and message["content"] == "\n\nc"
+    assert message["tool_calls"][0]["function"]["name"] == "f"
