@@ -65,7 +65,7 @@ GLOBAL_NAMES = {
 QUANTIZERS = {
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
-    GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.MXFP4,
 }
 
 

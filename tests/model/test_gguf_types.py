@@ -115,15 +115,15 @@ def plane_values(planes, rows: int, cols: int, dtype: torch.dtype) -> torch.Tens
     return total
 
 
-def test_every_quantized_type_but_q2_k_takes_one_exact_route():
+def test_every_quantized_type_but_q2_k_and_mxfp4_takes_one_exact_route():
     """Q8_0 and Q5_0 (d q, per 32) and Q6_K and Q3_K (d sc q, per 16) go to int8 groups;
     the types with a minimum per 32 and 4- or 5-bit q to 4-bit planes; none to both; Q2_K
-    (a minimum per 16) to neither."""
+    (a minimum per 16) and MXFP4 (4-bit floats) to neither."""
     assert INT8_GROUPS == {Q.Q8_0: 32, Q.Q5_0: 32, Q.Q6_K: 16, Q.Q3_K: 16}
     assert set(INT8_GROUP_TYPES) == set(INT8_GROUPS)
     assert set(PLANE_TYPES) == {Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_1, Q.Q5_K}
     quantized = set(SUPPORTED_TYPES) - {Q.F32, Q.F16, Q.BF16}
-    assert quantized - set(INT8_GROUP_TYPES) - set(PLANE_TYPES) == {Q.Q2_K}
+    assert quantized - set(INT8_GROUP_TYPES) - set(PLANE_TYPES) == {Q.Q2_K, Q.MXFP4}
 
 
 # each type's q: its whole range, the extremes included (random blocks hold every pattern)

@@ -28,8 +28,10 @@ from test_model_families import (
 )
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.models.gguf.loader import open_gguf
 from tokenmill.models.layers.experts import SparseMoeBlock
 from tokenmill.models.loader import load_model
+from tokenmill.models.registry import resolve_model_class
 from tokenmill.models.weights.formats import GGUFFormat
 from tokenmill.models.weights.native_weights import NativeInt4Weight, NativeInt8GroupWeight
 
@@ -158,6 +160,36 @@ def test_experts_keep_the_files_blocks(tiny_model_dir, tmp_path, native, qtype, 
             assert type(expert.down_proj.packed) is packed
             got, ref = expert.project(x).float(), same.project(x).float()
             torch.testing.assert_close(got, ref, atol=tolerance * ref.abs().max(), rtol=0)
+
+
+def test_mxfp4_experts_load_bit_for_bit(tiny_model_dir, tmp_path):
+    """Experts stored in MXFP4 (gpt-oss's type) load as ``gguf.quants``' dequantization of
+    the file, bit for bit, and the model computes as transformers' on those values."""
+    model_dir = tiny_model_dir("qwen3_moe")
+    path = str(tmp_path / "m.gguf")
+    mxfp4 = {f"blk.{i}.ffn_{p}_exps.weight": GGMLQuantizationType.MXFP4
+             for i in range(2) for p in ("gate", "up", "down")}
+    stored = write_gguf(model_dir, path, arch="qwen3moe", overrides=mxfp4)
+    config, weights = open_gguf(path)
+    unpacked = resolve_model_class(config.architecture)(config, torch.float32, CPU)
+    unpacked.load_weights(weights)
+    params = dict(unpacked.named_parameters())
+    theirs = hf_model(model_dir)
+    state = theirs.state_dict()
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        gate_up = torch.stack([torch.cat([stored[f"{prefix}{e}.gate_proj.weight"],
+                                          stored[f"{prefix}{e}.up_proj.weight"]])
+                               for e in range(8)])
+        down = torch.stack([stored[f"{prefix}{e}.down_proj.weight"] for e in range(8)])
+        for ours_name, values in (("gate_up_proj", gate_up), ("down_proj", down)):
+            loaded = torch.stack([params[f"{prefix}{e}.{ours_name}.weight"] for e in range(8)])
+            assert torch.equal(loaded, values)
+            state[prefix + ours_name] = values
+    theirs.load_state_dict(state)
+    ours, _ = load_model(path, torch.float32, CPU)
+    got = PagedRunner(ours).step([(0, PROMPT)], all_tokens=True)
+    torch.testing.assert_close(got, hf_logits(theirs, PROMPT), atol=1e-5, rtol=1e-5)
 
 
 def test_experts_that_disagree_with_the_config_are_refused(tiny_model_dir, tmp_path):

@@ -44,6 +44,7 @@ SUPPORTED_TYPES = (
     Q.F32, Q.F16, Q.BF16,
     Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+    Q.MXFP4,  # gpt-oss's experts: 32 4-bit floats (E2M1) and a power-of-two scale (E8M0)
 )
 Int8Groups = tuple[torch.Tensor, torch.Tensor]  # q, scales
 Int4Plane = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q, scales, mins
