@@ -72,6 +72,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per token (0: only the sampled one)
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None  # None: unconstrained
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias):
+    # -100 bans a token, 100 all but forces it; None or {}: no bias.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -110,6 +113,10 @@ class SamplingParams:
                "stop strings must be non-empty strings", "stop")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers", "stop_token_ids")
+        _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                   and isinstance(b, (int, float)) and -100.0 <= b <= 100.0
+                   for t, b in (self.logit_bias or {}).items()),
+               "logit_bias maps token ids to biases in [-100, 100]", "logit_bias")
         _check(self.structured_output is None
                or isinstance(self.structured_output, StructuredOutput),
                "structured_output must be a StructuredOutput", "structured_output")

@@ -303,3 +303,21 @@ def test_native_logprob_rows_is_log_softmax(dtype) -> None:
         kernels.logprob_rows(logits, torch.tensor([0, 0, 0, vocab]), 5)
     with pytest.raises(RuntimeError, match="k must be"):
         kernels.logprob_rows(logits, token_ids, vocab + 1)
+
+
+@pytest.mark.parametrize("route", LOGPROB_ROUTES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logit_bias_moves_only_its_rows(route, dtype) -> None:
+    logits = random_logits(4, 300, seed=5).to(dtype)
+    plain = [SamplingParams(temperature=0.0, logprobs=2),
+             SamplingParams(temperature=0.7, seed=3, logprobs=2)] * 2
+    biased = list(plain)
+    top = logits.float().argmax(dim=-1).tolist()
+    biased[0] = SamplingParams(temperature=0.0, logit_bias={11: 100.0})
+    biased[3] = SamplingParams(temperature=0.0, logit_bias={top[3]: -100.0})
+    outputs = dict(output_token_ids=[[]] * 4)
+    before = sample(logits, plain, sampler=logprob_sampler(route), **outputs)
+    after = sample(logits, biased, sampler=logprob_sampler(route), **outputs)
+    assert after.token_ids[0] == 11 and after.token_ids[3] != top[3]
+    assert after.token_ids[1:3] == before.token_ids[1:3]
+    assert after.logprobs[1:3] == before.logprobs[1:3]

@@ -6,6 +6,8 @@ the logprobs when asked for; top-p's check that its candidates hold top_p.
 
 Per row, in this order (as vLLM does):
 
+    logit_bias added to its ids                           (rows with one; what logprobs
+                                                           report includes it)
     grammar's forbidden ids -> -inf                       (rows with a structured output:
                                                            grammar_mask.py)
     raw logprobs = log_softmax(logits)                    (what ``logprobs`` reports)
@@ -82,6 +84,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, "one row per request"
+        if batch.bias is not None:  # only the biased (row, id) entries change
+            rows, ids, biases = batch.bias
+            logits.index_put_((rows, ids), biases.to(logits.dtype), accumulate=True)
         if batch.grammar_rows is not None:
             assert batch.grammar_bitmask is not None
             apply_bitmask(logits, batch.grammar_rows, batch.grammar_bitmask)

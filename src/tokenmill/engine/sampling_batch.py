@@ -62,6 +62,8 @@ class SamplingBatch:
     any_unseeded: bool  # a sampling row draws from the default generator
     penalties: PenaltySettings | None
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (row index, token id) pairs
+    # logit_bias: (row index, token id) pairs and each pair's bias (float32)
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     num_logprobs: tuple[int | None, ...]
     logprob_rows: torch.Tensor | None  # [L] rows that asked for logprobs
     logprob_row_list: tuple[int, ...]
@@ -83,7 +85,8 @@ class SamplingBatch:
         the output plus drafts 0..j-1). ``prompt_token_ids`` are needed for repetition
         penalties; ``banned_token_ids[i]`` are ids row i may not sample this step
         (EOS/stop ids before ``min_tokens``). Ids at or beyond ``vocab_size`` are ignored.
-        ``grammar`` is ``grammar_bitmask``'s (rows, bitmasks), or None.
+        ``grammar`` is ``grammar_bitmask``'s (rows, bitmasks), or None. A row's
+        ``logit_bias`` comes with its params (the input processor has checked its ids).
         """
         n = len(params)
         greedy = [p.greedy for p in params]
@@ -102,6 +105,7 @@ class SamplingBatch:
             seeded=seeded, any_unseeded=len(seeded) < len(sampling_rows),
             penalties=_build_penalties(params, prompt_token_ids, output_token_ids, device),
             banned=_build_banned(banned_token_ids, vocab_size, device),
+            bias=_build_bias(params, vocab_size, device),
             num_logprobs=tuple(p.logprobs for p in params),
             logprob_rows=(torch.tensor(logprob_rows, device=device) if logprob_rows else None),
             logprob_row_list=tuple(logprob_rows),
@@ -205,3 +209,15 @@ def _build_banned(banned_token_ids: Sequence[Collection[int]] | None, vocab_size
         return None
     rows, ids = zip(*pairs, strict=True)
     return torch.tensor(rows, device=device), torch.tensor(ids, device=device)
+
+
+def _build_bias(params: Sequence[SamplingParams], vocab_size: int,
+                device: torch.device | str,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    triples = [(row, t, b) for row, p in enumerate(params)
+               for t, b in (p.logit_bias or {}).items() if 0 <= t < vocab_size]
+    if not triples:
+        return None
+    rows, ids, biases = zip(*triples, strict=True)
+    return (torch.tensor(rows, device=device), torch.tensor(ids, device=device),
+            torch.tensor(biases, dtype=torch.float32, device=device))

@@ -75,6 +75,7 @@ class InputProcessor:
                            params: SamplingParams) -> list[EngineCoreRequest]:
         max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params)
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        self.check_token_ids(params.logit_bias or (), "logit_bias")
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise InvalidParameterError(
                 f"logprobs must be at most the vocabulary size ({self.vocab_size})", "logprobs")

@@ -49,7 +49,7 @@ TokenIds = list[StrictInt]
 # OpenAI fields with no implementation here, and the values that ask for nothing;
 # a request that sets one to anything else gets a 400
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "suffix": (None, ""), "logit_bias": (None, {}), "best_of": (None, 1),
+    "suffix": (None, ""), "best_of": (None, 1),
     "functions": (None, []), "function_call": (None, "none"),
 }
 # Chat-only fields that the completions endpoint refuses rather than ignores
@@ -109,6 +109,7 @@ class _Common(BaseModel):
     seed: Seed | None = None
     presence_penalty: Float = 0.0
     frequency_penalty: Float = 0.0
+    logit_bias: dict[Text, Float] | None = None
     user: Text | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -199,7 +200,22 @@ class _Common(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_output=structured_output,
+            logit_bias=_logit_bias(self.logit_bias),
         )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys) with integer keys; ranges
+    are ``SamplingParams``'s to check, and the vocabulary the input processor's."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise InvalidParameterError(
+                f"logit_bias keys are token ids; {key!r} is not one", "logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def _from_vllm(params: StructuredOutputsParams) -> list[StructuredOutput]:
