@@ -1,14 +1,25 @@
 """The pieces the Responses and Messages APIs share with chat: blocks assembled from chat
-deltas, and each API's request translated into a chat request."""
+deltas, each API's request translated into a chat request, and the end of a stream the
+engine fails midway."""
 
 from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
 
 import pytest
 
 from tokenmill.errors import InvalidParameterError
+from tokenmill.frontend.outputs import ChoiceDelta
+from tokenmill.server.anthropic import MessagesServing, _Message
 from tokenmill.server.anthropic_protocol import MessagesRequest
 from tokenmill.server.blocks import BlockAssembler
+from tokenmill.server.chat_shaped import Output
+from tokenmill.server.responses import ResponsesServing, _Response
 from tokenmill.server.responses_protocol import ResponsesRequest
+from tokenmill.server.serving import EngineFailed
+from tokenmill.server.usage import UsageCounter
 
 
 def events(assembler: BlockAssembler, *deltas: dict) -> list[tuple[str, str, str]]:
@@ -104,3 +115,50 @@ def test_tool_use_outside_an_assistant_turn_is_refused() -> None:
                                       "input": {}}]}]})
     with pytest.raises(InvalidParameterError, match="assistant"):
         body.to_chat()
+
+
+class FailingServing:
+    """Serves one chat delta, then the engine fails the request."""
+
+    @staticmethod
+    async def chat_deltas(job, fmt):
+        job.usage.record(ChoiceDelta(0, "Hel", (5, 6), None, 2), 0)
+        yield ChoiceDelta(0, "Hel", (5, 6), None, 2), {
+            "delta": {"content": "Hel"}, "finish_reason": None, "stop_reason": None}
+        raise EngineFailed("device lost")
+
+
+def started(serving_class):
+    job = SimpleNamespace(response_id="chatcmpl-req1", usage=UsageCounter([[1, 2, 3]], 1))
+    output = Output(job, SimpleNamespace(format=None))  # type: ignore[arg-type]
+    return serving_class(FailingServing(), "tiny"), output  # type: ignore[arg-type]
+
+
+def sse_payloads(text: str) -> list[dict]:
+    return [json.loads(line[len("data: "):]) for line in text.splitlines()
+            if line.startswith("data: ")]
+
+
+async def collected(events) -> str:
+    return "".join([event async for event in events])
+
+
+def test_a_failure_mid_stream_ends_a_responses_stream_with_response_failed() -> None:
+    serving, output = started(ResponsesServing)
+    request = ResponsesRequest.model_validate({"input": "hi", "stream": True})
+    response = _Response(request, output, "tiny")
+    events = sse_payloads(asyncio.run(collected(serving._events(response))))
+    last = events[-1]
+    assert last["type"] == "response.failed" and last["response"]["status"] == "failed"
+    assert last["response"]["error"] == {"code": "server_error", "message": "device lost"}
+    assert last["response"]["usage"]["output_tokens"] == 2
+    assert last["response"]["usage"]["input_tokens"] == 3
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_a_failure_mid_stream_ends_a_messages_stream_with_an_error_event() -> None:
+    serving, output = started(MessagesServing)
+    events = sse_payloads(asyncio.run(collected(serving._events(_Message(output, "tiny")))))
+    assert events[0]["type"] == "message_start"
+    assert events[-1] == {"type": "error", "error": {"type": "api_error",
+                                                     "message": "device lost"}}
