@@ -79,7 +79,7 @@ def _extensions() -> tuple[list, dict]:
                 self.build_temp = build_temp
 
         def copy_extensions_to_source(self) -> None:
-            for stale in KERNELS.glob(f"{variants.LIBRARY_PREFIX}*"):
+            for stale in KERNELS.glob(f"{variants.LIBRARY_PREFIX}*.so"):
                 stale.unlink()
             super().copy_extensions_to_source()
 

@@ -1,15 +1,20 @@
 """The kernels' builds: each variant's flags against the CPU flags it asks of a host, the
-choice among them on the three kinds of host, and library names that follow the sources."""
+choice among them on the three kinds of host, library names that follow the sources, and
+a start that finds no library and no compiler."""
 
 from __future__ import annotations
 
+import os
+import platform
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from tokenmill.hardware import cpu_flags
 from tokenmill.kernels import variants
 from tokenmill.kernels.variants import HEADERS, SOURCES, VARIANTS, best_variant
 
@@ -56,7 +61,7 @@ def test_a_variants_flags_enable_only_instructions_its_hosts_have() -> None:
     for variant in VARIANTS:
         macros = subprocess.run(["c++", "-dM", "-E", "-x", "c++", "/dev/null", *variant.march],
                                 capture_output=True, text=True, check=True).stdout
-        defined[variant.name] = {m for m in tested if re.search(rf"^#define {m} ", macros, re.M)}
+        defined[variant.name] = set(re.findall(r"^#define (\w+) ", macros, re.M)) & set(MACRO_FLAGS)
         assert {MACRO_FLAGS[m] for m in defined[variant.name]} <= variant.cpu_flags
     assert defined["amx"] == set(MACRO_FLAGS)
     assert defined["avx512"] == set(MACRO_FLAGS) - {"__AMX_TILE__", "__AMX_BF16__"}
@@ -71,8 +76,27 @@ def test_the_library_name_follows_the_sources_flags_and_torch(tmp_path, monkeypa
     amx, avx2 = VARIANTS[0], VARIANTS[-1]
     name = amx.library_name("2.13.0")
     assert name == amx.library_name("2.13.0")
-    assert name.startswith("tokenmill_kernels_amx_")
+    assert name.startswith("kernels_amx_")
     assert avx2.library_name("2.13.0") != name
     assert amx.library_name("2.14.0") != name
     source.write_text("int one() { return 2; }\n")
     assert amx.library_name("2.13.0") != name
+
+
+@pytest.mark.skipif(best_variant(platform.machine(), cpu_flags()) is None,
+                    reason="no variant of the kernels for this CPU")
+def test_a_start_without_its_library_nor_a_compiler_warns_and_goes_on(tmp_path) -> None:
+    """Where neither the package nor the cache holds the variant's library and there is
+    no compiler, a start says so at once and PyTorch's ops serve: it never waits."""
+    start = ("import logging, pathlib, sys\n"
+             "from tokenmill.kernels import build\n"
+             "logging.basicConfig()\n"
+             "build.KERNEL_DIR = pathlib.Path(sys.argv[1])\n"
+             "print('loaded', build.load_library())\n")
+    env = {**os.environ, "CXX": str(tmp_path / "no-compiler"),
+           "TORCH_EXTENSIONS_DIR": str(tmp_path / "cache")}
+    result = subprocess.run([sys.executable, "-c", start, str(tmp_path)], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert "loaded False" in result.stdout, result.stderr[-2000:]
+    assert "native CPU kernels unavailable, using PyTorch's" in result.stderr
+    assert "the package holds no" in result.stderr and "no C++ compiler" in result.stderr

@@ -3,9 +3,10 @@ or, where the sources changed since (an edited checkout), one compiled here once
 
 ``load_library()`` registers the kernels as ``torch.ops.tokenmill`` ops. It takes the best
 variant this CPU runs (``variants.py``) and looks for that variant's library built from the
-sources on disk: first in the package, then in the cache folder (``TORCH_EXTENSIONS_DIR``,
-by default PyTorch's extensions folder). Only where neither holds it does it compile,
-between two log lines; where it cannot (no compiler), it says why and PyTorch's ops serve.
+sources on disk: first in the package, then in the cache folder (``tokenmill/`` under
+``TORCH_EXTENSIONS_DIR``, by default PyTorch's extensions folder). Only where neither holds
+it does it compile, between two log lines; where it cannot (no compiler), it says why and
+PyTorch's ops serve.
 
 Invariant: nothing a killed process leaves in the cache stops the next one. A library
 appears there only complete (compiled in a folder of its own, then renamed into place);
@@ -77,7 +78,7 @@ def _load_or_compile_for(variant: Variant, name: str) -> bool:
     else:
         why = f"the package holds no {variant.name} build of the kernels"
     compiler = os.environ.get("CXX", "c++")
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or _default_cache_root())
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or _default_cache_root()) / "tokenmill"
     if not (root / f"{name}.so").exists() and shutil.which(compiler) is None:
         logger.warning("native CPU kernels unavailable, using PyTorch's: %s, and there is no "
                        "C++ compiler (%s) to build them", why, compiler)
@@ -124,7 +125,7 @@ def _compile_lock(root: Path) -> Iterator[None]:
     """Held by one process at a time; ``flock`` ties it to the open file, which the kernel
     closes when the process ends, so a killed holder never leaves it held. (The file is
     opened close-on-exec: a compiler the holder started does not hold it.)"""
-    with open(root / "tokenmill_kernels.lock", "a") as lock:
+    with open(root / "kernels.lock", "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -35,7 +35,7 @@ HEADERS = tuple(KERNEL_DIR / name
 # setuptools adds: debug information doubles the compile time and the library's size.
 CFLAGS = ("-O3", "-ffast-math", "-fopenmp", "-g0")
 LDFLAGS = ("-fopenmp",)
-LIBRARY_PREFIX = "tokenmill_kernels_"
+LIBRARY_PREFIX = "kernels_"
 
 _X86_64_V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe", "xsave"})
 _X86_64_V4 = frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})
