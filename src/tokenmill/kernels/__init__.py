@@ -1,4 +1,4 @@
-"""Native CPU kernels of the engine, compiled on first use for the host's CPU.
+"""Native CPU kernels of the engine, built with the package in a variant per kind of CPU.
 
 The one door to them::
 
@@ -10,7 +10,7 @@ The one door to them::
     kernels.linear_kernels(dtype)               # the linear ops for dtype, where capable
     kernels.decode_layers(eps, heads, ...)      # a decoder stack's step in one call
 
-``build`` compiles the ``.cpp`` files here (or loads the cached build), ``capabilities``
+``build`` loads the host's variant (``variants``: what each is built for), ``capabilities``
 records what the build holds, ``signatures`` types the ops (``models.weights`` packs
 projections for the linear kernels: ``native_weights``). The bfloat16
 kernels (linear layers, prefill attention) exist only on a CPU with AVX512-BF16 (where it

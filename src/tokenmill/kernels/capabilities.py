@@ -2,7 +2,7 @@
 
 Every build has the kernels for attention over decodes, RMSNorm, the SiLU gate, rotary
 embedding with the KV store, sampling and logprobs, and the fused decode layers. The
-others exist only where ``-march=native`` gives the compiler the instructions they are
+others exist only where the build's variant gives the compiler the instructions they are
 written in (each ``.cpp`` compiles them under an ``#if`` on those): ``KernelCapabilities``
 records which, once, and everything that chooses a kernel asks it.
 """

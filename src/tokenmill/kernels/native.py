@@ -116,7 +116,7 @@ def _require(available: bool, what: str) -> None:
 
 @functools.cache
 def native_kernels() -> NativeKernels | None:
-    """This CPU's kernels, built on first use; None where they cannot be built here (the
+    """This CPU's kernels, loaded on first use; None where they cannot be loaded here (the
     log says why)."""
     if not load_library():
         return None
