@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.kernels import KernelCapabilities
+from tokenmill.hardware import pick_device
+from tokenmill.kernels import KernelCapabilities, choose_kernels
+
+CPU = torch.device("cpu")
 
 
-def runs_here(quantization: str, dtype: torch.dtype,
-              capabilities: KernelCapabilities | None) -> bool:
-    """Whether ``quantization`` computes in ``dtype`` on this CPU (``capabilities``: the
-    native kernels', None without them): none, int8 and int4 everywhere (PyTorch's kernels
-    where there are no native ones), w8a8 with AVX512-VNNI, w4a8 with AVX512-VNNI or, in
-    float32, with AVX2, FMA and F16C."""
+def runs_here(quantization: str, dtype: torch.dtype, capabilities: KernelCapabilities | None,
+              device: torch.device = CPU) -> bool:
+    """Whether ``quantization`` computes in ``dtype`` on ``device`` (``capabilities``: the
+    native kernels', None without them): none anywhere; on the CPU int8 and int4 in
+    bfloat16 or float32 (PyTorch's kernels where there are no native ones), w8a8 with
+    AVX512-VNNI, w4a8 with AVX512-VNNI or, in float32, with AVX2, FMA and F16C."""
     if quantization == "none":
         return True
+    if device.type != "cpu":
+        return False
     if quantization in ("int8", "int4"):
         return dtype in (torch.bfloat16, torch.float32)
     if capabilities is None:
@@ -31,7 +36,17 @@ def runs_here(quantization: str, dtype: torch.dtype,
     raise ValueError(f"no host check for quantization {quantization!r}")
 
 
-def batch_invariant_here(dtype: torch.dtype, capabilities: KernelCapabilities | None) -> bool:
-    """Whether ``batch_invariant`` (native linear kernels only) runs in ``dtype`` here:
-    bfloat16 with AVX512-BF16, float32 with AVX2 and FMA (``KernelCapabilities.linear``)."""
-    return capabilities is not None and capabilities.linear(dtype)
+def batch_invariant_here(dtype: torch.dtype, capabilities: KernelCapabilities | None,
+                         device: torch.device = CPU) -> bool:
+    """Whether ``batch_invariant`` (native linear kernels only) runs in ``dtype`` on
+    ``device``: on the CPU, bfloat16 with AVX512-BF16, float32 with AVX2 and FMA
+    (``KernelCapabilities.linear``)."""
+    return device.type == "cpu" and capabilities is not None and capabilities.linear(dtype)
+
+
+def host() -> tuple[torch.device, KernelCapabilities | None]:
+    """The device an engine with ``device="auto"`` runs on, and the native kernels'
+    capabilities there (None where it computes with PyTorch's)."""
+    device = pick_device()
+    kernels = choose_kernels("auto", device)
+    return device, None if kernels is None else kernels.capabilities

@@ -56,6 +56,12 @@ def cpu_has_avx512_vnni() -> bool:
     return "avx512_vnni" in cpu_flags()
 
 
+def cpu_has_avx512f() -> bool:
+    """Whether this CPU has AVX-512F (the native kernels are built on Linux only, where
+    ``/proc/cpuinfo`` says)."""
+    return "avx512f" in cpu_flags()
+
+
 def cpu_has_amx() -> bool:
     """Whether this CPU has AMX-BF16 tiles (oneDNN's fastest bfloat16 matrix products)."""
     flags = cpu_flags()

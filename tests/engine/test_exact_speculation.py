@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 
+from quantization_hosts import host, runs_here
 from tokenmill import LLM, SamplingParams
-from tokenmill.errors import InvalidParameterError
+from tokenmill.models.weights.quantizations import resolve_dtype
 
 # Repetitive text: lookups find drafts and the model accepts many of them.
 PROMPTS = [
@@ -30,10 +31,11 @@ ENGINE = {"speculative_ngram": 4, "speculative_disable_by_batch_size": 3,
 
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4", "w4a8", "w8a8"])
 def test_speculation_gives_the_same_tokens_in_the_default_dtype(quantization) -> None:
-    try:
-        llm = LLM(dtype="auto", quantization=quantization, **ENGINE)
-    except InvalidParameterError as error:  # w4a8 or w8a8 without a kernel on this CPU
-        pytest.skip(str(error))
+    device, capabilities = host()
+    dtype = resolve_dtype("auto", device, quantization)
+    if not runs_here(quantization, dtype, capabilities, device):  # checked before building
+        pytest.skip(f"this host has no kernel for --quantization {quantization} in {dtype}")
+    llm = LLM(dtype="auto", quantization=quantization, **ENGINE)  # a refusal fails
     plain = [o.outputs[0] for o in llm.generate(PROMPTS * 2, PARAMS * 2)]
     spec = [o.outputs[0] for o in llm.generate(PROMPTS, PARAMS)]
     assert sum(o.stats.num_draft_tokens for o in plain) == 0

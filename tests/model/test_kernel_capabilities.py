@@ -33,20 +33,22 @@ CPU = torch.device("cpu")
 BF16, F32 = torch.bfloat16, torch.float32
 HEADS = (9, 3, 64)  # query heads, KV heads, head size
 HOSTS = {
-    "amx": dict(bf16_linear=True, f32_linear=False, w4a8_linear=True, vnni_linear=True,
-                prefill_attention_head_dims=frozenset({64, 128}), amx=True, linear_tiles=True),
+    "amx": dict(bf16_linear=True, f32_linear=True, w4a8_linear=True, vnni_linear=True,
+                prefill_attention_head_dims=frozenset({64, 128}), avx512=True, amx=True,
+                linear_tiles=True),
     # an AMX CPU whose operating system does not grant the tiles (Linux before 5.16)
-    "amx_not_granted": dict(bf16_linear=True, f32_linear=False, w4a8_linear=True, vnni_linear=True,
-                            prefill_attention_head_dims=frozenset({64, 128}), amx=True,
-                            linear_tiles=False),
-    "avx512_bf16": dict(bf16_linear=True, f32_linear=False, w4a8_linear=True, vnni_linear=True,
-                        prefill_attention_head_dims=frozenset({64, 128}), amx=False,
-                        linear_tiles=False),
+    "amx_not_granted": dict(bf16_linear=True, f32_linear=True, w4a8_linear=True,
+                            vnni_linear=True, prefill_attention_head_dims=frozenset({64, 128}),
+                            avx512=True, amx=True, linear_tiles=False),
+    "avx512_bf16": dict(bf16_linear=True, f32_linear=True, w4a8_linear=True, vnni_linear=True,
+                        prefill_attention_head_dims=frozenset({64, 128}), avx512=True,
+                        amx=False, linear_tiles=False),
     "avx2": dict(bf16_linear=False, f32_linear=True, w4a8_linear=True, vnni_linear=False,
-                 prefill_attention_head_dims=frozenset(), amx=False, linear_tiles=False),
-    "avx512_no_bf16": dict(bf16_linear=False, f32_linear=False, w4a8_linear=True, vnni_linear=False,
-                           prefill_attention_head_dims=frozenset(), amx=False,
-                           linear_tiles=False),
+                 prefill_attention_head_dims=frozenset(), avx512=False, amx=False,
+                 linear_tiles=False),
+    "avx512_no_bf16": dict(bf16_linear=False, f32_linear=True, w4a8_linear=True,
+                           vnni_linear=False, prefill_attention_head_dims=frozenset(),
+                           avx512=True, amx=False, linear_tiles=False),
 }
 # w4a8 and w8a8 where the CPU has AVX512-VNNI: either dtype, the head in w8a8
 VNNI = {(dtype, quantization): (fmt, NativeW8A8Format)
@@ -105,7 +107,8 @@ def test_capabilities_match_the_cpu_flags(native):
         pytest.skip("no /proc/cpuinfo flags here")
     caps = native.capabilities
     assert caps.bf16_linear == ({"avx512_bf16", "avx512bw"} <= flags)
-    assert caps.f32_linear == ({"avx2", "fma"} <= flags and "avx512f" not in flags)
+    assert caps.f32_linear == ({"avx2", "fma"} <= flags)  # on AVX-512 CPUs too
+    assert caps.avx512 == ("avx512f" in flags)
     assert caps.w4a8_linear == ({"avx2", "fma", "f16c"} <= flags)
     assert caps.vnni_linear == ({"avx512_vnni", "avx512bw", "f16c"} <= flags)
     assert caps.prefill_attention_head_dims == (frozenset({64, 128, 256}) if caps.bf16_linear

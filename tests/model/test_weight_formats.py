@@ -110,9 +110,10 @@ def test_native_bf16_matches_plain_bf16(tiny_model_dir, variant, native):
 @pytest.mark.parametrize("variant", ["llama", "llama_untied", "qwen2"])
 def test_native_float32_matches_plain_float32(tiny_model_dir, variant, native):
     if not native.capabilities.f32_linear:
-        pytest.skip("this CPU has AVX-512 (or lacks AVX2/FMA): float32 keeps oneDNN's kernels")
+        pytest.skip("this CPU lacks AVX2 or FMA: it has no native float32 kernels")
     model_dir = tiny_model_dir(variant)
-    packed, _ = load_model(model_dir, torch.float32, CPU, kernels=native)
+    # native formats alone: on an AVX-512 CPU float32 takes oneDNN's otherwise
+    packed, _ = load_model(model_dir, torch.float32, CPU, kernels=native, batch_invariant=True)
     assert packed_formats(packed) == {NativeWeight}
     torch.testing.assert_close(mixed_batch_logits(packed),
                                mixed_batch_logits(unpacked_model(model_dir, torch.float32)),
@@ -133,7 +134,9 @@ def test_onednn_float32_matches_plain_float32(tiny_model_dir, variant):
 
 def native_for(kernels: str, dtype: torch.dtype, request):
     """The native kernels for a ``kernels`` parametrization (None: PyTorch's); skips where
-    this CPU has no native linear kernels for ``dtype``."""
+    this CPU has no native linear kernels for ``dtype``. A model loads with them alone
+    (``batch_invariant``), also where PyTorch's are the faster choice (float32 on
+    AVX-512)."""
     if kernels == "torch":
         return None
     native = request.getfixturevalue("native")
@@ -149,7 +152,8 @@ def test_int8_weights_match_float32_within_quantization_error(tiny_model_dir, va
                                                               dtype, request):
     native = native_for(kernels, dtype, request)
     model_dir = tiny_model_dir(variant)
-    quantized, _ = load_model(model_dir, dtype, CPU, "int8", native)
+    quantized, _ = load_model(model_dir, dtype, CPU, "int8", native,
+                              batch_invariant=native is not None)
     assert packed_formats(quantized) == {NativeInt8Weight if native else Int8Weight}
     got = mixed_batch_logits(quantized).float()
     reference = mixed_batch_logits(unpacked_model(model_dir, torch.float32))
@@ -163,7 +167,8 @@ def test_int4_weights_match_float32_within_quantization_error(tiny_model_dir, va
                                                               dtype, request):
     native = native_for(kernels, dtype, request)
     model_dir = tiny_model_dir(variant)
-    quantized, _ = load_model(model_dir, dtype, CPU, "int4", native)
+    quantized, _ = load_model(model_dir, dtype, CPU, "int4", native,
+                              batch_invariant=native is not None)
     # the head keeps 8 bits
     assert packed_formats(quantized) == ({NativeInt4Weight, NativeInt8Weight} if native
                                          else {Int4Weight, Int8Weight})
@@ -207,7 +212,8 @@ def test_w4a8_matches_float32_within_quantization_error(tiny_model_dir, variant,
     if caps.vnni_linear:
         expected = {NativeVnniW4A8Weight, NativeW8A8Weight}
     else:
-        expected = {NativeW4A8Weight, NativeInt8Weight if caps.f32_linear else Int8Weight}
+        native_head = caps.f32_linear and not caps.avx512  # else oneDNN's is the faster
+        expected = {NativeW4A8Weight, NativeInt8Weight if native_head else Int8Weight}
     assert packed_formats(quantized) == expected
     got = mixed_batch_logits(quantized)
     reference = mixed_batch_logits(unpacked_model(model_dir, torch.float32))

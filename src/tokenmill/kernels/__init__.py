@@ -15,7 +15,7 @@ records what the build holds, ``signatures`` types the ops (``models.weights`` p
 projections for the linear kernels: ``native_weights``). The bfloat16
 kernels (linear layers, prefill attention) exist only on a CPU with AVX512-BF16 (where it
 has AMX, the linear layers multiply on its tiles: ``capabilities.linear_tiles``), the
-float32 linear layers only on one with AVX2 and FMA but no AVX-512, the float32 w4a8
+float32 linear layers on any with AVX2 and FMA, the float32 w4a8
 linear layer on any with AVX2, FMA and F16C, the integer-activation linear layers (w8a8,
 w4a8; bfloat16 or float32) on one with AVX512-VNNI.
 """

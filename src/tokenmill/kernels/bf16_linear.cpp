@@ -964,7 +964,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return linear<Int4Weights>(x, packed, nullptr,
                              {scales.data_ptr<float>(), mins.data_ptr<float>(), sums},
                              out_features, bias, residual, at::kByte,
-                             "tokenmill's int4 packing (weight_formats.NativeInt4Weight)");
+                             "tokenmill's int4 packing (native_weights.NativeInt4Weight)");
 }
 
 // Whether these kernels multiply on AMX tiles in this process (see tiles_take).

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.hardware import cpu_has_amx
+from tokenmill.hardware import cpu_has_amx, cpu_has_avx512f
 
 # The head sizes paged_prefill_attention.cpp computes, and those of the register-blocked
 # paths of paged_decode_attention.cpp.
@@ -31,8 +31,7 @@ class KernelCapabilities:
     or int4 weights, bfloat16 activations (AVX512-BF16 and AVX512-BW)."""
     f32_linear: bool
     """Linear layers over float32, int8 (a scale per output row or per 16 or 32 inputs) or
-    int4 weights, float32 activations (AVX2 and FMA without AVX-512F: where oneDNN has
-    AVX-512 its own kernels are twice this one's peak)."""
+    int4 weights, float32 activations (AVX2 and FMA)."""
     w4a8_linear: bool
     """4-bit weights times float32 activations quantized to int8 per group of 32 inputs,
     multiplied as integers (AVX2, FMA and F16C)."""
@@ -43,6 +42,10 @@ class KernelCapabilities:
     prefill_attention_head_dims: frozenset[int]
     """Head sizes of the causal prefill attention kernel, bfloat16 only (AVX512-BF16);
     empty without it."""
+    avx512: bool
+    """The CPU has AVX-512F: oneDNN's float32 kernels have twice ``f32_linear``'s peak
+    there, so the weight formats keep PyTorch's for float32
+    (``models.weights.formats.native_linear_fastest``)."""
     amx: bool
     """The CPU has AMX-BF16 tiles: PyTorch's attention multiplies a prefill's rows with
     them (faster than the native prefill attention)."""
@@ -65,7 +68,8 @@ class KernelCapabilities:
                    prefill_attention_head_dims=(
                        PREFILL_HEAD_DIMS if hasattr(ops, "paged_prefill_attention")
                        else frozenset()),
-                   amx=cpu_has_amx(), decode_layers=_has_class("DecodeLayers"),
+                   avx512=cpu_has_avx512f(), amx=cpu_has_amx(),
+                   decode_layers=_has_class("DecodeLayers"),
                    linear_tiles=bf16 and ops.bf16_linear_uses_tiles())
 
     def linear(self, dtype: torch.dtype) -> bool:

@@ -12,8 +12,8 @@
 //   int4_f32_linear(x [M, K], packed, scales, mins, N, bias?, residual?)
 //                                   -> x @ (q * scale + min).T (+ ...)   (see Int4Weights)
 //
-// The float32 counterpart of bf16_linear.cpp, for CPUs whose fast arithmetic is float32
-// FMA (AVX2 without AVX-512: 8 lanes). At a decode step's batch sizes a linear layer is
+// The float32 counterpart of bf16_linear.cpp, in 8-lane float32 FMA (AVX2; the default
+// for float32 weights where the CPU has no AVX-512). At a decode step's batch sizes it is
 // bound by reading its weight: each weight element is read from memory once per call and
 // multiplied into every row while it sits in a register (int8 weights: a quarter of the
 // bytes, widened to float32 in registers, exactly). At larger batches it is bound by the
@@ -34,13 +34,16 @@
 // accumulators); the second and later chunks find the panel in cache. One or two rows (a
 // decode step's few sequences) take several panels at once instead, so that enough
 // independent FMAs are in flight to keep up with memory. With more than two
-// chunks, an int8 panel is widened once into a float32 copy, which the chunks then share;
-// an int4 panel always is (its values, scaled and shifted, are the weights). Grouped int8
-// weights take the int8 paths, scaled as they are read (see Int8GroupWeights).
+// chunks, an int8 panel is widened once into a float32 copy, which the chunks then share.
+// An int4 panel is multiplied directly by every chunk of at most kInt4DirectRows rows,
+// however many rows the call has, so that a row's result never depends on the row count
+// (its per-group sums scaled and shifted: another sum than of widened weights). Grouped
+// int8 weights take the int8 paths, scaled as they are read (see Int8GroupWeights).
 //
-// Built only for CPUs with AVX2 and FMA but no AVX-512F (the compiler targets the host):
-// with AVX-512, oneDNN's 16-lane float32 kernels have twice this peak, and these ops do not
-// exist.
+// Built for every CPU with AVX2 and FMA (the compiler targets the host), AVX-512 ones
+// too, where they run as they do elsewhere: there oneDNN's 16-lane float32 kernels have
+// twice this peak, so the weight formats take these only where the native kernels are
+// asked for alone (batch_invariant) or a format has no other (gguf in float32).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -58,7 +61,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
 
 namespace {
 
@@ -67,8 +70,7 @@ using tokenmill::store_lanes;
 
 constexpr int64_t kPanel = 16;  // outputs per panel
 constexpr int kMaxRows = 6;  // rows per micro-kernel call: 2 x 6 accumulators of 16
-// int4 weights multiply up to this many rows directly (2 x 4 group sums, 4 weight
-// registers); more rows take a float32 copy of each panel (see linear)
+// rows per int4 micro-kernel call (2 x 4 group sums, 4 weight registers)
 constexpr int kInt4DirectRows = 4;
 constexpr int64_t kMaxSharingChunks = 6;
 // Chains of FMAs (pairs of 8-lane sums) that one or two rows keep going at once: 4 x 2
@@ -128,7 +130,7 @@ constexpr bool kInt8 = std::is_base_of_v<Int8Weights, W>;
 
 // 4-bit weights in groups of kGroup inputs, each (output, group) with a float32 scale and
 // minimum: w = q * scale + min, q in 0..15. A record holds two inputs' 16 outputs in 16
-// bytes, byte lane = q[2 kp] | q[2 kp + 1] << 4 (packed by weight_formats.NativeInt4Weight);
+// bytes, byte lane = q[2 kp] | q[2 kp + 1] << 4 (packed by native_weights.NativeInt4Weight);
 // scales and minimums are [panels, K / kGroup, 16].
 struct Int4Weights {
   using Elem = uint8_t;
@@ -396,7 +398,8 @@ constexpr auto kRowsFns = make_table<W>(
 template <typename W>
 void panel_times_rows(const Operands& op, int64_t m, const typename W::Elem* panel,
                       const void* next, int64_t p) {
-  const int64_t chunks = (m + kMaxRows - 1) / kMaxRows;  // nearly equal sizes
+  constexpr int64_t kChunk = std::is_same_v<W, Int4Weights> ? kInt4DirectRows : kMaxRows;
+  const int64_t chunks = (m + kChunk - 1) / kChunk;  // nearly equal sizes
   const char* ahead_panel = static_cast<const char*>(next);
   for (int64_t c = 0, row = 0; c < chunks; ++c) {
     const int64_t rows = (m - row) / (chunks - c);
@@ -427,36 +430,6 @@ void widen_panel(const Operands& op, const typename W::Elem* panel, int64_t p,
     load_input<W>(panel, scales, i, w0, w1);
     _mm256_storeu_ps(dst + i * kPanel, w0);
     _mm256_storeu_ps(dst + i * kPanel + 8, w1);
-  }
-}
-
-// Panel p of int4 weights as float32 (q * scale + min) into dst, likewise.
-template <>
-void widen_panel<Int4Weights>(const Operands& op, const uint8_t* panel, int64_t p,
-                              const uint8_t* next, float* dst) {
-  constexpr int64_t kGroupRecords = Int4Weights::kGroup / 2;
-  const int64_t groups = op.k / Int4Weights::kGroup;
-  const float* scales = op.group_scales + p * groups * kPanel;
-  const float* mins = op.group_mins + p * groups * kPanel;
-  const __m256i nibble = _mm256_set1_epi32(0xf);
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m256 scale[2] = {_mm256_loadu_ps(scales + g * kPanel),
-                             _mm256_loadu_ps(scales + g * kPanel + 8)};
-    const __m256 min[2] = {_mm256_loadu_ps(mins + g * kPanel),
-                           _mm256_loadu_ps(mins + g * kPanel + 8)};
-    for (int64_t kp = g * kGroupRecords; kp < (g + 1) * kGroupRecords; ++kp) {
-      if (next && kp % (kLine / kPanel) == 0) _mm_prefetch(next + kp * kPanel, _MM_HINT_T1);
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + kp * kPanel));
-      const __m256i lanes[2] = {_mm256_cvtepu8_epi32(bytes),
-                                _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))};
-      float* even = dst + 2 * kp * kPanel;
-      for (int h = 0; h < 2; ++h) {
-        const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(lanes[h], nibble));
-        const __m256 high = _mm256_cvtepi32_ps(_mm256_srli_epi32(lanes[h], 4));
-        _mm256_storeu_ps(even + 8 * h, _mm256_fmadd_ps(low, scale[h], min[h]));
-        _mm256_storeu_ps(even + kPanel + 8 * h, _mm256_fmadd_ps(high, scale[h], min[h]));
-      }
-    }
   }
 }
 
@@ -493,7 +466,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const float* sc
   const int64_t panel_size = packed.size(1) * kPanel;  // elements
   bool widen = false;
   if constexpr (kInt8<W>) widen = m >= kWidenFromRows;
-  if constexpr (std::is_same_v<W, Int4Weights>) widen = m > kInt4DirectRows;
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> widened(widen ? k * kPanel : 0);
     int64_t p = begin;
@@ -515,16 +487,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const float* sc
     for (; p < end; ++p) {
       const auto* panel = weights + p * panel_size;
       const auto* next = p + 1 < end ? panel + panel_size : nullptr;
-      if constexpr (std::is_same_v<W, F32Weights>) {
-        panel_times_rows<W>(op, m, panel, next, p);
-      } else if (widen) {
-        widen_panel<W>(op, panel, p, next, widened.data());
-        panel_times_rows<F32Weights>(op, m, widened.data(), nullptr, p);
-      } else if constexpr (kInt8<W>) {
-        panel_times_rows<W>(op, m, panel, next, p);
-      } else {  // int4, a single chunk of rows
-        kRowsFns<W>[m - 1](op, 0, panel, Ahead{reinterpret_cast<const char*>(next), 0, 1}, p);
+      if constexpr (kInt8<W>) {
+        if (widen) {
+          widen_panel<W>(op, panel, p, next, widened.data());
+          panel_times_rows<F32Weights>(op, m, widened.data(), nullptr, p);
+          continue;
+        }
       }
+      // float32 and int8 in chunks of rows, int4 too (never widened: see above)
+      panel_times_rows<W>(op, m, panel, next, p);
     }
   });
   return out;
@@ -589,10 +560,10 @@ at::Tensor int4_f32_linear(const at::Tensor& x, const at::Tensor& packed,
                            const std::optional<at::Tensor>& residual) {
   constexpr int64_t kGroup = Int4Weights::kGroup;
   check_groups<Int4Weights>(x, {&scales, &mins}, out_features, "scales and mins");
-  // each row's sum of x over each group, for the minimums (direct path only)
+  // each row's sum of x over each group, for the minimums
   const int64_t m = x.size(0), groups = x.size(1) / kGroup;
   at::Tensor x_sums;
-  if (m <= kInt4DirectRows && x.scalar_type() == at::kFloat) {
+  if (x.scalar_type() == at::kFloat) {
     x_sums = x.reshape({m, groups, kGroup}).sum(-1).contiguous();
   }
   return linear<Int4Weights>(
@@ -600,7 +571,7 @@ at::Tensor int4_f32_linear(const at::Tensor& x, const at::Tensor& packed,
       {scales.data_ptr<float>(), mins.data_ptr<float>(),
        x_sums.defined() ? x_sums.data_ptr<float>() : nullptr},
       out_features, bias, residual, at::kByte,
-      "tokenmill's int4 packing (weight_formats.NativeInt4Weight)");
+      "tokenmill's int4 packing (native_weights.NativeInt4Weight)");
 }
 
 }  // namespace
@@ -627,4 +598,4 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("int4_f32_linear", &int4_f32_linear);
 }
 
-#endif  // AVX2 + FMA, no AVX-512F
+#endif  // AVX2 + FMA

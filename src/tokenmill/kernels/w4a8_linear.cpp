@@ -19,7 +19,7 @@
 // VPMADDUBSW multiplies 32 pairs, four times what one float32 FMA does. The cost is the
 // rounding of the activations, which ``benchmarks/accuracy.py`` measures.
 //
-// Packed layout (weight_formats.NativeW4A8Weight packs it): outputs in panels of 16,
+// Packed layout (native_weights.NativeW4A8Weight packs it): outputs in panels of 16,
 // inputs in records of 4; a record is 32 bytes, byte 4 o + j holding input 4 r + j of
 // output o of the panel in its low nibble and of output 8 + o in its high nibble:
 //
@@ -260,7 +260,7 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
                   packed.scalar_type() == at::kByte && packed.size(0) == panels &&
                   packed.size(1) * 4 == k && packed.size(2) == kRecord,
-              "packed must be weight_formats.NativeW4A8Weight's packing of an "
+              "packed must be native_weights.NativeW4A8Weight's packing of an "
               "[out_features, K] weight");
   TORCH_CHECK(group_params.dim() == 4 && group_params.size(0) == panels &&
                   group_params.size(1) == k / kGroup && group_params.size(2) == 2 &&
