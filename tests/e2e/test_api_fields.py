@@ -60,8 +60,9 @@ def test_stop_string_ends_the_choice(client) -> None:
 @pytest.mark.parametrize("include", [False, True])
 def test_a_stop_string_ends_the_stream_on_its_token(tiny_server, client, include) -> None:
     """Streamed with usage on every chunk: the text ends at the stop string (or just after
-    it), each chunk carries one more token, the last one finishes the choice, and the
-    engine generated no token past the one that completed the stop string."""
+    it), each chunk carries one more token, a finish chunk without one follows (its usage
+    repeats the count), and the engine generated no token past the one that completed the
+    stop string."""
     full = client.completions.create(model="tiny", prompt="Tell me", max_tokens=16,
                                      temperature=0.0, extra_body={"ignore_eos": True})
     text = full.choices[0].text
@@ -73,13 +74,15 @@ def test_a_stop_string_ends_the_stream_on_its_token(tiny_server, client, include
         stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
         extra_body={"ignore_eos": True, "include_stop_str_in_output": include}))
     after = tiny_server.wait_idle()
-    with_choices = [c for c in chunks if c.choices]
-    assert "".join(c.choices[0].text for c in with_choices) == text[:end]
-    assert [c.choices[0].finish_reason for c in with_choices][-1] == "stop"
-    assert all(c.choices[0].finish_reason is None for c in with_choices[:-1])
-    counts = [c.usage.completion_tokens for c in with_choices]
+    *with_tokens, finish = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in with_tokens) == text[:end]
+    assert all(c.choices[0].finish_reason is None for c in with_tokens)
+    assert finish.choices[0].text == "" and finish.choices[0].finish_reason == "stop"
+    assert finish.choices[0].model_extra["stop_reason"] == stop
+    counts = [c.usage.completion_tokens for c in with_tokens]
     assert counts == list(range(1, len(counts) + 1))
-    assert chunks[-1].usage.completion_tokens == counts[-1] < 16
+    assert finish.usage.completion_tokens == chunks[-1].usage.completion_tokens == counts[-1]
+    assert counts[-1] < 16
     generated = after["tokenmill_generation_tokens_total"] - before[
         "tokenmill_generation_tokens_total"]
     assert generated == counts[-1]

@@ -119,6 +119,11 @@ def test_the_engine_stops_on_the_token_that_completes_a_stop_string(tiny_model, 
     assert cut.outputs[0].token_ids == ids[:completes]
     assert cut.outputs[0].text == text[:text.index(stop)]
     assert cut.outputs[0].stats.num_generation_tokens == completes
+    *with_tokens, finish = llm.stream(prompt, params)  # the stop's token, then the finish
+    assert sum(len(d.token_ids) for d in with_tokens) == completes
+    assert all(d.finish_reason is None for d in with_tokens)
+    assert (finish.token_ids, finish.text, finish.finish_reason, finish.stop_reason) == (
+        (), "", "stop", stop)
     llm.client.core.check_integrity()
 
 

@@ -334,6 +334,7 @@ class Scheduler:
             num_cached_tokens=request.num_cached_tokens,
             counters=replace(request.counters) if finished else None,
             error=request.error if finished else None,
+            stop_string=request.stop_text.stop_reason if request.stop_text else None,
         )
 
     # ---------------------------------------------------------------- finish
@@ -363,25 +364,26 @@ class Scheduler:
         del self.requests[request.req_id]
 
     def check_stop(self, request: Request) -> FinishReason | None:
-        """Why the request stops after its newest token, if it does. A stop string stops it
-        on the token that completes it, as a structured output stops once its grammar is
-        complete, whatever ``min_tokens`` and ``ignore_eos`` say (the grammar would allow
-        nothing but EOS)."""
+        """Why the request stops after its newest token, if it does. A structured output
+        stops once its grammar is complete, whatever ``min_tokens`` and ``ignore_eos`` say
+        (the grammar would allow nothing but EOS). A stop string stops it on the token
+        that completes it (its output then says which: ``stop_string``) where nothing
+        else does."""
         params = request.sampling_params
         last = request.output_token_ids[-1]
         if request.num_output_tokens >= params.min_tokens and (
                 (not params.ignore_eos and last in request.eos_token_ids)
                 or last in params.stop_token_ids):
             return FinishReason.STOP
-        if request.stop_text is not None:
-            request.stop_text.add_tokens((last,))
-            if request.stop_text.stopped:
-                return FinishReason.STOP
         if request.grammar is not None and request.grammar.is_finished():
             return FinishReason.STOP
         if (request.num_output_tokens >= request.max_tokens
                 or request.num_tokens >= self.max_model_len):
             return FinishReason.LENGTH
+        if request.stop_text is not None:
+            request.stop_text.add_tokens((last,))
+            if request.stop_text.stopped:
+                return FinishReason.STOP
         return None
 
     # ----------------------------------------------------------------- stats

@@ -96,6 +96,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     counters: RequestCounters | None = None  # its lifetime counters, once finished
     error: str | None = None  # with finish reason "error": why, when the core knows
+    stop_string: str | None = None  # the stop string that ended it (then nothing else did)
 
     @property
     def finished(self) -> bool:

@@ -67,14 +67,11 @@ class RequestStream:
 
     def _on_output(self, out: EngineCoreOutput) -> None:
         choice = self.choices[out.req_id]
-        delta = choice.process(out)
-        if delta is None:
-            return
-        if self._closed:  # nobody reads any more: finish the accounting here
-            if delta.finished:
+        for delta in choice.process(out):
+            if not self._closed:
+                self._queue.put_nowait(delta)
+            elif delta.finished:  # nobody reads any more: finish the accounting here
                 self._finish(choice.mark_emitted(delta))
-            return
-        self._queue.put_nowait(delta)
 
     def _finish(self, delta: ChoiceDelta) -> None:
         if self._closed:

@@ -96,8 +96,7 @@ class LLM:
                 for out in outputs:
                     request_output, state = choices[out.req_id]
                     request_output.num_cached_tokens = out.num_cached_tokens
-                    delta = state.process(out)
-                    if delta is not None:
+                    for delta in state.process(out):
                         yield request_output, state.mark_emitted(delta)
                 if report.failed:
                     raise RuntimeError(report.error)

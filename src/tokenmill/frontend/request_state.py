@@ -5,7 +5,9 @@ Invariant: a choice's ``num_output_tokens`` counts exactly the tokens whose text
 client has been (or will be) sent. Stop strings end a choice in the engine core, on the
 token that completes one (so no token follows it); the detokeniser here runs the same
 match over the same tokens to hold back what may become a stop string and to cut the
-text at the one that did.
+text at the one that did. A choice a stop string ended gets that token's delta, then a
+finish without a token (``stop``, the string as its ``stop_reason``); where the token
+also ended it otherwise (a stop token, ``max_tokens``), one delta carries both.
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ class ChoiceState:
         self.finished = False
         self.final_output: EngineCoreOutput | None = None
 
-    def process(self, out: EngineCoreOutput) -> ChoiceDelta | None:
-        """The delta for one core output, or None when nothing reaches the client."""
+    def process(self, out: EngineCoreOutput) -> tuple[ChoiceDelta, ...]:
+        """The deltas for one core output, in order: none when nothing reaches the client,
+        two when a stop string ended the choice (see the module docstring)."""
         self.events.extend(out.events)
         self.num_cached_tokens = out.num_cached_tokens
         token_ids = out.new_token_ids
@@ -62,19 +65,24 @@ class ChoiceState:
         logprobs = out.new_logprobs if out.new_logprobs and token_ids else None
         if not out.finished:
             if not token_ids:
-                return None
-            return ChoiceDelta(self.index, text, token_ids, logprobs, self.num_output_tokens)
+                return ()
+            return (ChoiceDelta(self.index, text, token_ids, logprobs, self.num_output_tokens),)
         self.finished = True
         self.final_output = out
+        reason = out.finish_reason
         if self.detokenizer.stopped:
-            self.stop_reason = self.detokenizer.stop_reason
+            reason, self.stop_reason = FinishReason.STOP, self.detokenizer.stop_reason
         else:
             text += self.detokenizer.flush()
             stop_ids = self.params.stop_token_ids
-            if out.finish_reason is FinishReason.STOP and token_ids and token_ids[-1] in stop_ids:
+            if reason is FinishReason.STOP and token_ids and token_ids[-1] in stop_ids:
                 self.stop_reason = token_ids[-1]
-        return ChoiceDelta(self.index, text, token_ids, logprobs, self.num_output_tokens,
-                           finish_reason=out.finish_reason.value, stop_reason=self.stop_reason)
+        if out.stop_string is not None and token_ids:
+            return (ChoiceDelta(self.index, text, token_ids, logprobs, self.num_output_tokens),
+                    ChoiceDelta(self.index, "", (), None, self.num_output_tokens,
+                                finish_reason=reason.value, stop_reason=self.stop_reason))
+        return (ChoiceDelta(self.index, text, token_ids, logprobs, self.num_output_tokens,
+                            finish_reason=reason.value, stop_reason=self.stop_reason),)
 
     def mark_emitted(self, delta: ChoiceDelta) -> ChoiceDelta:
         """Stamp the hand-over of ``delta`` to the client; the final one gets its stats."""
@@ -84,11 +92,20 @@ class ChoiceState:
         if not delta.finished:
             return delta
         self.events.append(RequestEvent(RequestEventType.FINISHED_EMITTED, now))
-        return replace(delta, stats=self.compute_stats())
+        return replace(delta, stats=self.compute_stats(delta.finish_reason))
 
-    def compute_stats(self) -> RequestStats:
+    def compute_stats(self, finish_reason: str) -> RequestStats:
         final = self.final_output
+        events = [_with_reason(e, FinishReason(finish_reason)) for e in self.events]
         return compute_request_stats(
-            self.events, num_prompt_tokens=self.num_prompt_tokens,
+            events, num_prompt_tokens=self.num_prompt_tokens,
             num_cached_tokens=self.num_cached_tokens,
             counters=final.counters if final and final.counters else RequestCounters())
+
+
+def _with_reason(event: RequestEvent, reason: FinishReason) -> RequestEvent:
+    """A stop string ends a choice as ``stop`` although the core, which the same token
+    also stopped, saw ``length``."""
+    if event.type is RequestEventType.FINISHED and event.finish_reason is not reason:
+        return replace(event, finish_reason=reason)
+    return event

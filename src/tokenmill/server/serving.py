@@ -3,8 +3,7 @@
 Usage accounting (SPEC section 2): per-chunk usage is cumulative for the chunk's
 choice; the final usage counts each prompt once and sums completion tokens over all
 choices. Every chunk of a choice carries at least one committed token, except its
-finish chunk when the choice ended without one (an abort; a stop string ends it on the
-chunk of the token that completes it). With tools,
+finish chunk when the choice ended without one (a stop string or an abort). With tools,
 a delta whose text is held back (a tool call still being written) sends no chunk; the
 next chunk's usage counts its tokens.
 
