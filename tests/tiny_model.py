@@ -1,7 +1,8 @@
 """A tiny random-weight model folder with a real (small) tokenizer, for tests.
 
 ``make_tiny_model_dir(path, arch, **overrides)`` (``arch`` one of ``ARCHITECTURES``: llama,
-qwen2, qwen3, mistral, phi3, gemma3, qwen3_moe, qwen2_moe, mixtral) writes, with fixed seeds:
+qwen2, qwen3, mistral, phi3, gemma3, qwen3_moe, qwen2_moe, mixtral,
+gpt_oss) writes, with fixed seeds:
 
 - ``config.json`` + ``model.safetensors`` from ``transformers`` (2 layers, hidden 64, 4 heads,
   2 KV heads, vocab 512, tied embeddings; the head size is the config class's default:
@@ -27,6 +28,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -58,6 +61,7 @@ ARCHITECTURES = {
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
     "mixtral": (MixtralConfig, MixtralForCausalLM),
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM),
 }
 # The experts of the mixture-of-experts architectures' tiny models: 8 of width 32, 2 per token
 TINY_EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}

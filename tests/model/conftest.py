@@ -43,6 +43,10 @@ TINY_VARIANTS = {
     "qwen2_moe": ("qwen2_moe", {"shared_expert_intermediate_size": 48, "mlp_only_layers": [1]}),
     "mixtral": ("mixtral", {"num_local_experts": 8, "num_experts_per_tok": 2,
                             "intermediate_size": 32, "sliding_window": 12}),
+    # sliding (window 8) and full layers alternating, YaRN, sinks, experts with biases
+    "gpt_oss": ("gpt_oss", {"num_local_experts": 8, "num_experts_per_tok": 2,
+                            "intermediate_size": 32, "head_dim": 16, "sliding_window": 8,
+                            "num_hidden_layers": 4, "rope_scaling": YARN_ROPE}),
 }
 
 

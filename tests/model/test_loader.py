@@ -156,9 +156,10 @@ def test_missing_and_misshapen_weights(tiny_model_dir, tmp_path):
 
 
 def test_registry_names_supported_architectures():
-    with pytest.raises(ValueError, match="Gemma3ForCausalLM, LlamaForCausalLM, "
-                       "MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, "
-                       "Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
+    with pytest.raises(ValueError, match="Gemma3ForCausalLM, GptOssForCausalLM, "
+                       "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
+                       "Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, "
+                       "Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
         resolve_model_class("GPT2LMHeadModel")
     assert resolve_model_class("Qwen2ForCausalLM") is resolve_model_class("LlamaForCausalLM")
 

@@ -1,10 +1,10 @@
 """Mixture-of-experts families (Qwen3-MoE; Qwen2-MoE with its shared expert and a dense
-layer; Mixtral, from its folder only): tiny random checkpoints agree with transformers in
-float32 from their folders and as GGUF files (ours, and llama.cpp's converter's where its
-source tree is here); router ties break as transformers breaks them; experts run grouped,
-each active one once per layer, inactive ones not at all; with ``--quantization gguf``
-experts keep the file's blocks; checkpoints whose experts disagree with their config are
-refused."""
+layer; Mixtral and gpt-oss, from their folders only): tiny random checkpoints agree with
+transformers in float32 from their folders and as GGUF files (ours, and llama.cpp's
+converter's where its source tree is here); router ties break as transformers breaks
+them; experts run grouped, each active one once per layer, inactive ones not at all; with
+``--quantization gguf`` experts keep the file's blocks, and MXFP4 experts load bit for
+bit; checkpoints whose experts disagree with their config are refused."""
 
 from __future__ import annotations
 
@@ -45,11 +45,12 @@ def experts_of(model) -> list[SparseMoeBlock]:
     return [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
 
 
-@pytest.mark.parametrize("variant", [*MOE, "mixtral"])
+@pytest.mark.parametrize("variant", [*MOE, "mixtral", "gpt_oss"])
 def test_greedy_and_logits_match_hf(tiny_model_dir, variant):
     """Greedy tokens (prefill in chunks of 6) and the prompt's logits against transformers;
     Qwen2-MoE's second layer is dense (``mlp_only_layers``); Mixtral's window (12) cuts
-    the 20-token prompt."""
+    the 20-token prompt; gpt-oss's sliding layers (window 8) alternate with full ones,
+    under YaRN, each head with its sink, experts with biases and the clamped gate."""
     model_dir = tiny_model_dir(variant)
     ours, config = load_model(model_dir, torch.float32, CPU)
     assert len(experts_of(ours)) == config.num_hidden_layers - len(config.dense_mlp_layers)
@@ -88,6 +89,19 @@ def test_llama_cpp_converted_gguf_matches_hf(tiny_model_dir, tmp_path):
     prompt = [t for t in PROMPT if t < 400]  # within the tokenizer's vocabulary
     assert greedy_generate(ours, prompt, NEW_TOKENS, chunk_size=6) == hf_greedy(
         hf_model(model_dir), prompt, NEW_TOKENS)
+
+
+def test_gpt_oss_sinks_matter(tiny_model_dir):
+    """The tiny gpt-oss's sinks are not 0, and without them the logits differ."""
+    model_dir = tiny_model_dir("gpt_oss")
+    ours, _ = load_model(model_dir, torch.float32, CPU)
+    sinks = [layer.self_attn.sinks for layer in ours.model.layers]
+    assert min(float(s.abs().max()) for s in sinks) > 0.01
+    with_sinks = PagedRunner(ours).step([(0, PROMPT)], all_tokens=True)
+    for s in sinks:
+        s.data.fill_(float("-inf"))  # a sink of weight 0: plain softmax attention
+    without = PagedRunner(ours).step([(0, PROMPT)], all_tokens=True)
+    assert (with_sinks - without).abs().max() > 1e-3
 
 
 def test_router_ties_break_as_transformers(tiny_model_dir, tmp_path):

@@ -16,7 +16,7 @@ layers' prefills on SDPA: the prefill kernel has no window), else ``SdpaAttentio
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +63,7 @@ class PagedCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.kernels = kernels
-        self.layer_attentions = attention_backends(config, dtype, kernels)
+        self.layer_attentions = self.attention_backends(config, dtype, kernels)
         self.attentions: list[AttentionBackend] = []  # distinct, planned once per forward
         for backend in self.layer_attentions:
             if all(backend is not a for a in self.attentions):
@@ -85,6 +85,13 @@ class PagedCausalLM(nn.Module):
         self._qkv_rows = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
         self.model = self.model_class(config, dtype, device, self.layer_attentions,
                                       layer_ops(kernels), weight_format)
+
+    @staticmethod
+    def attention_backends(config: ModelConfig, dtype: torch.dtype,
+                           kernels: NativeKernels | None) -> list[AttentionBackend]:
+        """Each layer's attention backend (``attention_backends``'s; a family whose
+        attention they do not compute builds its own)."""
+        return attention_backends(config, dtype, kernels)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int,
                        int8: bool = False) -> tuple[int, ...]:
@@ -224,16 +231,22 @@ def attention_backends(config: ModelConfig, dtype: torch.dtype,
                        kernels: NativeKernels | None) -> list[AttentionBackend]:
     """Each layer's backend: one object per distinct window (see the module docstring)."""
     heads = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+    if kernels is None:
+        return backends_by_window(config, lambda window: SdpaAttention(
+            *heads, dtype, config.attention_scale, window))
+    return backends_by_window(config, lambda window: NativeAttention(
+        kernels, *heads, dtype, config.attention_scale, window))
+
+
+def backends_by_window(config: ModelConfig, build: Callable[[int | None], AttentionBackend]
+                       ) -> list[AttentionBackend]:
+    """Each layer's backend, ``build(window)`` called once per distinct window and the
+    object shared by the layers of that window."""
     built: dict[int | None, AttentionBackend] = {}
     for layer in range(config.num_hidden_layers):
         window = config.layer_window(layer)
-        if window in built:
-            continue
-        if kernels is None:
-            built[window] = SdpaAttention(*heads, dtype, config.attention_scale, window)
-        else:
-            built[window] = NativeAttention(kernels, *heads, dtype, config.attention_scale,
-                                            window)
+        if window not in built:
+            built[window] = build(window)
     return [built[config.layer_window(i)] for i in range(config.num_hidden_layers)]
 
 

@@ -77,6 +77,10 @@ class ModelConfig:
     norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
     shared_expert_intermediate_size: int = 0
     dense_mlp_layers: tuple[int, ...] = ()
+    # gpt-oss's experts' gate: ``(clamp(up, +-limit) + 1) g sigmoid(alpha g)``, ``g`` the
+    # gate clamped below ``limit`` (0: not gpt-oss)
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 0.0
 
     @property
     def architecture(self) -> str:
@@ -303,6 +307,8 @@ def _hf_moe_fields(d: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
         moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]),
         norm_topk_prob=bool(d.get("norm_topk_prob", True)),
         shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
+        swiglu_limit=float(d.get("swiglu_limit") or 0.0),
+        swiglu_alpha=float(d.get("swiglu_alpha") or 0.0),
         dense_mlp_layers=tuple(i for i in range(num_layers)
                                if i in only or (i + 1) % step),
     )

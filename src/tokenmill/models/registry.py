@@ -10,6 +10,7 @@ from __future__ import annotations
 from tokenmill.models.causal_lm import PagedCausalLM
 from tokenmill.models.families import (
     gemma3,
+    gpt_oss,
     llama,
     mistral,
     mixtral,
@@ -31,6 +32,7 @@ FAMILIES = (
     qwen3_moe,
     qwen2_moe,
     mixtral,
+    gpt_oss,
 )
 MODEL_REGISTRY: dict[str, type[PagedCausalLM]] = {
     module.FAMILY.architecture: module.MODEL for module in FAMILIES}

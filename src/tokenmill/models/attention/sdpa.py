@@ -66,15 +66,23 @@ class SdpaDecode:
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: SdpaDecodePlan,
                  scale: float) -> torch.Tensor:
         num_seqs, num_heads, head_dim = q.shape
-        num_kv_heads = kv_cache.shape[3]
-        # [2, Bd * nb, bs * kvh * D] -> [2, Bd, nb * bs, kvh, D] -> k, v as [Bd, kvh, L, D]
-        kv = _gather_blocks(kv_cache, plan.block_ids)
-        kv = _cache_values(kv.view(2, num_seqs, -1, *kv_cache.shape[3:])[:, :, : plan.max_len],
-                           q.dtype)
-        k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
-        q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        q, k, v = decode_operands(q, kv_cache, plan)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scale)
         return out.reshape(num_seqs, num_heads * head_dim)
+
+
+def decode_operands(q: torch.Tensor, kv_cache: torch.Tensor, plan: SdpaDecodePlan
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q [Bd, heads, D]`` as ``[Bd, kvh, G, D]`` (the G query heads of each KV head) and
+    the gathered keys and values, ``[Bd, kvh, L, D]`` each (``plan.mask`` hides padding)."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    # [2, Bd * nb, bs * kvh * D] -> [2, Bd, nb * bs, kvh, D] -> k, v as [Bd, kvh, L, D]
+    kv = _gather_blocks(kv_cache, plan.block_ids)
+    kv = _cache_values(kv.view(2, num_seqs, -1, *kv_cache.shape[3:])[:, :, : plan.max_len],
+                       q.dtype)
+    k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+    return q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim), k, v
 
 
 class SdpaPrefill:
@@ -155,6 +163,17 @@ class SdpaAttention(AttentionBackend[SdpaDecodePlan, list[PrefillSeq]]):
     def __call__(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_cache: torch.Tensor,
                  plan: AttentionPlan[SdpaDecodePlan, list[PrefillSeq]]) -> torch.Tensor:
+        q, k, v = self.rotate_and_store(qkv, cos, sin, kv_cache, plan)
+        if plan.prefill is None:  # every token is a decode
+            return self.decode(q, kv_cache, plan.decode, self.scale)
+        return self._attend_with_prefills(q, k, v, kv_cache, plan)
+
+
+    def rotate_and_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         kv_cache: torch.Tensor, plan: AttentionPlan
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q [T, heads, D]``, ``k, v [T, kv_heads, D]`` of ``qkv``, q and k rotated, the
+        new k and v written into ``kv_cache`` at ``plan.slot_mapping``."""
         num_tokens = qkv.shape[0]
         # q and k rotated together: [T, heads + kv_heads, D]
         qk = apply_rotary(qkv[:, : self.qk_size].view(num_tokens, -1, self.head_dim), cos, sin)
@@ -163,9 +182,7 @@ class SdpaAttention(AttentionBackend[SdpaDecodePlan, list[PrefillSeq]]):
         for cache, new in ((kv_cache[0], k), (kv_cache[1], v)):
             rows = quantize_rows(new) if cache.dtype == torch.int8 else new
             cache.view(-1, *rows.shape[1:]).index_copy_(0, plan.slot_mapping, rows)
-        if plan.prefill is None:  # every token is a decode
-            return self.decode(q, kv_cache, plan.decode, self.scale)
-        return self._attend_with_prefills(q, k, v, kv_cache, plan)
+        return q, k, v
 
 
 def _kv_rows(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -207,18 +224,25 @@ def _prefill_attention(
 
     NOTE: the tensors are 4-D ``[1, heads, len, D]``: with 3-D ones SDPA on CPU falls back
     to its unfused path, ten times slower."""
-    q_len = q.shape[0]
-    if seq.blocks is None and kv_cache.dtype == torch.int8:
-        keys, values = (dequantize_rows(quantize_rows(x), q.dtype) for x in (k, v))
-    elif seq.blocks is None:
-        keys, values = k, v
-    else:
-        # [2, nb, bs * kvh * D] -> [2, seq_len, kvh, D]
-        kv = _gather_blocks(kv_cache, seq.blocks)
-        kv = _cache_values(kv.view(2, -1, *kv_cache.shape[3:])[:, : seq.num_keys], q.dtype)
-        keys, values = kv[0], kv[1]
+    keys, values = prefill_keys_values(k, v, kv_cache, seq, q.dtype)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
         attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale, enable_gqa=True,
     )
-    return out[0].transpose(0, 1).reshape(q_len, -1)
+    return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+
+
+def prefill_keys_values(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                        seq: PrefillSeq, dtype: torch.dtype
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values ``[seq.num_keys, kv_heads, D]`` one prefill sequence attends
+    over: its new ``k, v`` (as an 8-bit cache holds them) where it has no earlier context,
+    else gathered from the cache."""
+    if seq.blocks is None and kv_cache.dtype == torch.int8:
+        return tuple(dequantize_rows(quantize_rows(x), dtype) for x in (k, v))
+    if seq.blocks is None:
+        return k, v
+    # [2, nb, bs * kvh * D] -> [2, seq_len, kvh, D]
+    kv = _gather_blocks(kv_cache, seq.blocks)
+    kv = _cache_values(kv.view(2, -1, *kv_cache.shape[3:])[:, : seq.num_keys], dtype)
+    return kv[0], kv[1]
