@@ -19,13 +19,19 @@ The audit, once the server is idle:
   their clients saw; ``prompt_tokens_total`` lies between the finished requests' prompt
   tokens and that plus the abandoned ones';
 - gauges at zero, no KV block in use, at least one preemption;
-- the server's RSS (its processes together: server and engine) grew less than 5% between
-  the end of ``--warmup`` and the end.
+- the server's RSS (its processes together: server and engine) grew less than 5% from
+  just after the warm-up to the end: the median of the ``--rss-window`` seconds of
+  once-a-second samples that follow the warm-up against the median of the last ones, so
+  that one sample caught mid-step (a long prefill's transient buffers) decides nothing.
+  The warm-up lasts ``--warmup`` seconds and at least ``--warmup-requests`` requests, so
+  that a slow host has also met the load's shapes (prompt lengths, batch sizes, ``n``,
+  preemptions) before the baseline; ``--duration`` seconds of load follow it.
 
-Prints a table and writes JSON (``passed`` says whether every check held); exit status
-1 if any failed. Usage::
+Prints a table and writes JSON (``passed`` says whether every check held; ``rss_mib``
+has the samples); exit status 1 if any failed. Usage::
 
     python benchmarks/soak.py [--model PATH] [--duration 1200] [--warmup 60]
+                              [--warmup-requests 300] [--rss-window 15]
                               [--concurrency 8] [--num-kv-blocks 64] [--out FILE]
 """
 
@@ -36,6 +42,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -206,10 +213,10 @@ async def bad_request(client: httpx.AsyncClient, rng: random.Random, tally: Tall
     tally.bad_requests += 1
 
 
-async def worker(base_url: str, seed: int, deadline: float, args, tally: Tally) -> None:
+async def worker(base_url: str, seed: int, stop: asyncio.Event, args, tally: Tally) -> None:
     rng = random.Random(seed)
     async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
-        while time.monotonic() < deadline:
+        while not stop.is_set():
             tally.requests += 1
             kind = rng.random()
             if kind < 0.1:
@@ -267,6 +274,25 @@ def child_pids(pid: int) -> list[int]:
         return [int(child) for child in f.read().split()]
 
 
+@dataclass
+class RssTrace:
+    """The server's RSS once a second, as (seconds into the load, bytes), and when the
+    warm-up ended."""
+
+    samples: list[tuple[float, int]] = field(default_factory=list)
+    warm: float = 0.0
+
+    def after_warmup(self, window: float) -> int:
+        """Median of the samples in the ``window`` seconds after the warm-up."""
+        return int(statistics.median(v for t, v in self.samples
+                                     if self.warm <= t < self.warm + window))
+
+    def at_end(self, window: float) -> int:
+        """Median of the samples in the last ``window`` seconds."""
+        end = self.samples[-1][0]
+        return int(statistics.median(v for t, v in self.samples if t > end - window))
+
+
 def audit(tally: Tally, m: dict[str, float], rss_warm: int, rss_end: int) -> dict[str, bool]:
     success = "tokenmill_request_success_total{finished_reason=%s}"
     generated = m["tokenmill_generation_tokens_total"]
@@ -295,24 +321,36 @@ def audit(tally: Tally, m: dict[str, float], rss_warm: int, rss_end: int) -> dic
     }
 
 
-async def drive(base_url: str, pid: int, args) -> tuple[Tally, int, int]:
-    tally = Tally()
+async def drive(base_url: str, pid: int, args) -> tuple[Tally, RssTrace]:
+    """Load until ``--duration`` seconds after the warm-up, sampling RSS once a second."""
+    tally, trace, stop = Tally(), RssTrace(), asyncio.Event()
     start = time.monotonic()
-    deadline = start + args.duration
-    workers = [asyncio.create_task(worker(base_url, args.seed + i, deadline, args, tally))
+    workers = [asyncio.create_task(worker(base_url, args.seed + i, stop, args, tally))
                for i in range(args.concurrency)]
-    await asyncio.sleep(min(args.warmup, args.duration))
-    rss_warm = rss_bytes(pid)
+    warm = None
+    while warm is None or trace.samples[-1][0] < warm + args.duration:
+        await asyncio.sleep(1.0)
+        trace.samples.append((time.monotonic() - start, rss_bytes(pid)))
+        if warm is None and trace.samples[-1][0] >= args.warmup \
+                and tally.requests >= args.warmup_requests:
+            warm = trace.warm = trace.samples[-1][0]
+    stop.set()
     await asyncio.gather(*workers)
-    return tally, rss_warm, rss_bytes(pid)
+    return tally, trace
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
-    parser.add_argument("--duration", type=float, default=1200.0, help="seconds of load")
+    parser.add_argument("--duration", type=float, default=1200.0,
+                        help="seconds of load after the warm-up")
     parser.add_argument("--warmup", type=float, default=60.0,
-                        help="seconds before the first RSS reading")
+                        help="seconds of load before the RSS baseline")
+    parser.add_argument("--warmup-requests", type=int, default=300,
+                        help="requests sent before the RSS baseline (the warm-up lasts "
+                             "until both --warmup and this are reached)")
+    parser.add_argument("--rss-window", type=float, default=15.0,
+                        help="seconds of RSS samples whose median is a reading")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--num-kv-blocks", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=512)
@@ -333,7 +371,7 @@ def main() -> int:
         try:
             base_url = wait_ready(server, f"http://127.0.0.1:{port}", log)
             began = time.monotonic()
-            tally, rss_warm, rss_end = asyncio.run(drive(base_url, server.pid, args))
+            tally, trace = asyncio.run(drive(base_url, server.pid, args))
             elapsed = time.monotonic() - began
             metrics = wait_idle(base_url)
         finally:
@@ -341,6 +379,7 @@ def main() -> int:
             server.wait(timeout=60)
         log.seek(0)
         tally.settle(log.read().decode("utf-8", "replace"))
+    rss_warm, rss_end = trace.after_warmup(args.rss_window), trace.at_end(args.rss_window)
     checks = audit(tally, metrics, rss_warm, rss_end)
     report = {
         "duration_s": round(elapsed, 1), "concurrency": args.concurrency,
@@ -353,7 +392,9 @@ def main() -> int:
             "tokenmill_request_success_total{finished_reason=abort}")},
         "rss_mib": {"after_warmup": round(rss_warm / 2**20, 1),
                     "end": round(rss_end / 2**20, 1),
-                    "growth_pct": round(100 * (rss_end / rss_warm - 1), 2)},
+                    "growth_pct": round(100 * (rss_end / rss_warm - 1), 2),
+                    "warmup_s": round(trace.warm, 1),
+                    "samples": [(round(t, 1), round(v / 2**20, 1)) for t, v in trace.samples]},
         "checks": checks, "passed": all(checks.values()),
     }
     table = Table(title=f"soak: {elapsed:.0f} s, {tally.requests} requests "
@@ -364,7 +405,9 @@ def main() -> int:
         table.add_row(name, "yes" if held else "NO")
     console = Console()
     console.print(table)
-    console.print(f"RSS {report['rss_mib']}; preemptions "
+    rss = report["rss_mib"]
+    console.print(f"RSS {rss['after_warmup']} -> {rss['end']} MiB ({rss['growth_pct']:+}%, "
+                  f"warm-up {rss['warmup_s']} s); preemptions "
                   f"{metrics['tokenmill_num_preemptions_total']:.0f}")
     for error in tally.errors:
         console.print(f"[red]{error}[/red]")
