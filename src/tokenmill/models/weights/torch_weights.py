@@ -8,11 +8,21 @@ Each class converts one plain ``[out, in]`` weight (and its bias) once and then 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from tokenmill.errors import InvalidParameterError
 from tokenmill.models.weights.quantize import quantize_int8_rows
+
+# oneDNN's primitive cache and PyTorch's cache of oneDNN computations (ideep's) each keep one
+# entry per (weight shape, row count) a projection meets, about 0.2 to 0.6 MiB apiece; at
+# their default of 1024 entries, a server whose batches keep taking new sizes grows by up to
+# about 1 GiB, and faster when slow steps make larger, more varied batches. Bounded here,
+# before the first oneDNN call (both read the variable then); a value the user set wins.
+ONEDNN_CACHE_ENTRIES = "256"
+for _variable in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+    os.environ.setdefault(_variable, ONEDNN_CACHE_ENTRIES)
 
 
 class OneDNNWeight:
