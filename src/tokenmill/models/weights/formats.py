@@ -199,7 +199,20 @@ class OneDNNFormat(WeightFormat):
         return onednn_supports(dtype)
 
 
-class NativeFormat(KernelWeightFormat):
+class NativeLinearFormat(KernelWeightFormat):
+    """A format of the native linear kernels of the dtype (float, int8 or int4 weights):
+    chosen where they are the fastest, and row-invariant wherever they are built."""
+
+    @staticmethod
+    def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
+        return native_linear_fastest(dtype, kernels)
+
+    @classmethod
+    def row_invariant(cls, dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
+        return native_linear(dtype, kernels)
+
+
+class NativeFormat(NativeLinearFormat):
     packed = NativeWeight
 
     @staticmethod
@@ -213,10 +226,6 @@ class NativeFormat(KernelWeightFormat):
         and the tiles multiply a prefill's gate/up rows faster than the gate saves."""
         return dtype == torch.bfloat16 and not self.kernels.capabilities.amx
 
-    @classmethod
-    def row_invariant(cls, dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
-        return native_linear(dtype, kernels)
-
 
 class Int8Format(WeightFormat):
     packed = Int8Weight
@@ -226,16 +235,8 @@ class Int8Format(WeightFormat):
         return dtype in QUANTIZED_DTYPES
 
 
-class NativeInt8Format(KernelWeightFormat):
+class NativeInt8Format(NativeLinearFormat):
     packed = NativeInt8Weight
-
-    @staticmethod
-    def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
-        return native_linear_fastest(dtype, kernels)
-
-    @classmethod
-    def row_invariant(cls, dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
-        return native_linear(dtype, kernels)
 
 
 class Int4Format(WeightFormat):
@@ -250,16 +251,8 @@ class Int4Format(WeightFormat):
         return Int8Format()
 
 
-class NativeInt4Format(KernelWeightFormat):
+class NativeInt4Format(NativeLinearFormat):
     packed = NativeInt4Weight
-
-    @staticmethod
-    def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
-        return native_linear_fastest(dtype, kernels)
-
-    @classmethod
-    def row_invariant(cls, dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
-        return native_linear(dtype, kernels)
 
     @property
     def head(self) -> WeightFormat:
