@@ -18,7 +18,6 @@ the next compile.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import logging
 import os
@@ -109,14 +108,16 @@ def load_or_compile(name: str, sources: Sequence[Path], cflags: Sequence[str],
         from torch.utils import cpp_extension
 
         _put_ninja_on_path()
-        # Loads the library from the folder, which is then renamed into place (the loaded
-        # file stays the same file).
-        cpp_extension.load(name=name, sources=[str(s) for s in sources],
-                           extra_cflags=list(cflags), extra_ldflags=list(ldflags),
-                           build_directory=str(folder), is_python_module=False,
-                           verbose=False)
-        os.replace(folder / f"{name}.so", library)
-        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            # Loads the library from the folder, which is then renamed into place (the
+            # loaded file stays the same file).
+            cpp_extension.load(name=name, sources=[str(s) for s in sources],
+                               extra_cflags=list(cflags), extra_ldflags=list(ldflags),
+                               build_directory=str(folder), is_python_module=False,
+                               verbose=False)
+            os.replace(folder / f"{name}.so", library)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
         logger.info("native CPU kernels compiled in %.0f s", time.monotonic() - start)
 
 
@@ -125,6 +126,8 @@ def _compile_lock(root: Path) -> Iterator[None]:
     """Held by one process at a time; ``flock`` ties it to the open file, which the kernel
     closes when the process ends, so a killed holder never leaves it held. (The file is
     opened close-on-exec: a compiler the holder started does not hold it.)"""
+    import fcntl  # POSIX only; on other systems nothing gets this far
+
     with open(root / "kernels.lock", "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
