@@ -26,6 +26,7 @@ from tokenmill.sampling_params import SamplingParams, StructuredOutput
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 KERNEL_CHOICES = ("auto", "native", "torch")
 KV_CACHE_DTYPE_CHOICES = ("auto", "int8")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
 
@@ -105,6 +106,11 @@ class EngineConfig:
         "and reads, for a small loss of accuracy)", choices=KV_CACHE_DTYPE_CHOICES)
     max_num_seqs: int = option(64, "most requests in one step")
     max_num_batched_tokens: int = option(256, "token budget of one step")
+    scheduling_policy: str = option(
+        "fcfs", "fcfs (arrival order; a request's priority must be 0) or priority (a request's "
+        "priority, lower first, then arrival: the waiting queue in that order, and the "
+        "lowest-priority running request preempted first, also to make room for a waiting "
+        "request that outranks it)", choices=SCHEDULING_POLICIES)
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of a cached prompt prefix")
     enable_chunked_prefill: bool = option(
         True, "split long prompts over steps, beside the running decodes")
@@ -141,6 +147,7 @@ class EngineConfig:
         _one_of("quantization", self.quantization, QUANTIZATION_CHOICES)
         _one_of("kernels", self.kernels, KERNEL_CHOICES)
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES)
+        _one_of("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         if (not isinstance(self.speculative_ngram, int) or isinstance(self.speculative_ngram, bool)
                 or self.speculative_ngram < 0):
             raise InvalidParameterError(

@@ -85,13 +85,14 @@ _ids = itertools.count()
 
 
 def make_request(prompt: list[int], max_tokens: int = 8, group_id: str | None = None,
-                 **params) -> EngineCoreRequest:
+                 priority: int = 0, **params) -> EngineCoreRequest:
     return EngineCoreRequest(
         req_id=f"req-{next(_ids)}",
         prompt_token_ids=tuple(prompt),
         sampling_params=SamplingParams(max_tokens=max_tokens, **{"ignore_eos": True, **params}),
         eos_token_ids=frozenset({EOS}),
         group_id=group_id,
+        priority=priority,
     )
 
 

@@ -202,7 +202,9 @@ def test_to_dict_has_the_api_shape_and_is_json():
         "num_draft_tokens",
         "num_accepted_tokens",
         "draft_acceptance_rate",
+        "priority",
     ]
     assert json.loads(json.dumps(d)) == d
     assert d["draft_acceptance_rate"] is None
     assert d["finish_reason"] == "stop" and d["e2e_latency"] == 1.0
+    assert d["priority"] == 0

@@ -41,6 +41,7 @@ class EngineCoreRequest:
     sampling_params: SamplingParams  # n == 1; max_tokens resolved (never None)
     eos_token_ids: frozenset[int]
     group_id: str | None = None  # the API request this choice belongs to, for n > 1
+    priority: int = 0  # lower runs first (scheduling policy "priority"; else always 0)
 
 
 class Request:
@@ -51,6 +52,8 @@ class Request:
         assert params.max_tokens is not None, "the frontend resolves max_tokens"
         self.req_id = core_request.req_id
         self.group_id = core_request.group_id
+        self.priority = core_request.priority
+        self.arrival = 0  # the scheduler's arrival number: ties of priority go in this order
         self.sampling_params = params
         self.eos_token_ids = core_request.eos_token_ids
         self.prompt_token_ids = list(core_request.prompt_token_ids)

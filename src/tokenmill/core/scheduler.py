@@ -7,6 +7,15 @@ requests join in arrival order. When blocks run out, the most recently arrived r
 request is preempted: its blocks are freed, its output is kept, and it goes back to the
 front of the waiting queue to be recomputed.
 
+With ``scheduling_policy`` "priority" (as vLLM's), a request's rank is (priority, arrival
+number), lower first, and both queues are kept in rank order: the waiting queue (a
+preempted request goes back in its rank's place) and the running list, so requests are
+served best first and the victim of a preemption is always the worst-ranked running
+request (the list's tail, as above). Before each step, a ready waiting request that
+outranks running ones and finds no room (blocks for its next chunk, or a seat within
+``max_num_seqs``) preempts them, worst first, until it fits. With "fcfs" every
+priority is 0 and the order is the one above.
+
 With speculative decoding (``speculative_ngram`` K > 0) a running request that is about
 to sample also computes up to K draft tokens (spec_decode.py), budget and blocks
 permitting: drafts are dropped before anyone is preempted for them. No request drafts
@@ -34,7 +43,9 @@ The scheduler is the only writer of Request state. It never touches torch.
 
 from __future__ import annotations
 
+import itertools
 import time
+from bisect import insort
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -76,6 +87,8 @@ class Scheduler:
                                        config.ngram_max)
                          if config.speculative_ngram else None)
         self.speculative_max_batch = config.speculative_disable_by_batch_size
+        self.by_priority = config.scheduling_policy == "priority"
+        self._arrivals = itertools.count()
         self.requests: dict[str, Request] = {}
         # NOTE: finished requests may linger in ``waiting`` (lazy removal on abort);
         # ``num_waiting`` is the true count.
@@ -94,6 +107,7 @@ class Scheduler:
     # ----------------------------------------------------------------- queue
     def add_request(self, request: Request) -> None:
         self.requests[request.req_id] = request
+        request.arrival = next(self._arrivals)
         self._enqueue(request, front=False)
 
     def _enqueue(self, request: Request, front: bool) -> None:
@@ -105,7 +119,10 @@ class Scheduler:
         self.num_tokens_waiting_raw += request.queued_tokens_raw
         self.num_tokens_waiting += request.queued_tokens
         request.record(RequestEventType.QUEUED)
-        (self.waiting.appendleft if front else self.waiting.append)(request)
+        if self.by_priority:
+            insort(self.waiting, request, key=_rank)
+        else:
+            (self.waiting.appendleft if front else self.waiting.append)(request)
 
     def _leave_queue(self, request: Request) -> None:
         self.num_waiting -= 1
@@ -116,6 +133,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int, tuple[int, ...]]] = []
+        if self.by_priority:
+            self._make_room_for_waiting()
         budget, preempted = self._schedule_running(budget, scheduled)
         if not preempted:
             self._schedule_waiting(budget, scheduled)
@@ -145,6 +164,23 @@ class Scheduler:
             budget -= num_new + len(drafts)
             i += 1
         return budget, preempted
+
+    def _make_room_for_waiting(self) -> None:
+        """Preempt the worst-ranked running requests while the best ready waiting request
+        outranks them and finds no room for its next chunk (blocks) or no seat."""
+        head = next((r for r in self.waiting if not r.is_finished
+                     and (r.grammar is None or r.grammar.ready)), None)
+        if head is None:
+            return
+        while self.running and _rank(self.running[-1]) > _rank(head):
+            cached = self.kv.find_cached_blocks(head)
+            num_new = head.num_tokens - len(cached) * self.kv.block_size
+            if self.enable_chunked_prefill:
+                num_new = min(num_new, self.max_num_batched_tokens)
+            if (len(self.running) < self.max_num_seqs
+                    and self.kv.can_allocate(head, num_new, cached)):
+                return
+            self._preempt(self.running.pop())
 
     def _propose_drafts(self, request: Request, budget: int) -> tuple[int, ...]:
         """Drafts for a request about to sample, no more than its budget, ``max_tokens``
@@ -209,7 +245,10 @@ class Scheduler:
                 self._prefilling_groups.get(request.group_id, 0) + 1)
         request.record(RequestEventType.SCHEDULED, now)
         request.record(RequestEventType.PREFILLING, now)
-        self.running.append(request)
+        if self.by_priority:
+            insort(self.running, request, key=_rank)
+        else:
+            self.running.append(request)
 
     def _end_prefill(self, request: Request) -> None:
         request.is_prefilling = False
@@ -405,3 +444,9 @@ class Scheduler:
         counters = (self.num_preemptions_in_step, self.prefix_cache_queries, self.prefix_cache_hits)
         self.num_preemptions_in_step = self.prefix_cache_queries = self.prefix_cache_hits = 0
         return counters
+
+
+def _rank(request: Request) -> tuple[int, int]:
+    """A request's place under the priority policy: lower priority values, then earlier
+    arrivals, first."""
+    return request.priority, request.arrival

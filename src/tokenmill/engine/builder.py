@@ -65,7 +65,7 @@ def build_core(config: EngineConfig,
                 "torch" if kernels is None else "native", num_blocks,
                 config.block_size, "int8" if kv_int8 else "the model's dtype", max_model_len)
     info = EngineInfo(model_name_for(config.model), max_model_len, model_config.vocab_size,
-                      num_blocks * config.block_size)
+                      num_blocks * config.block_size, config.scheduling_policy)
     return BuiltCore(core, info, device)
 
 

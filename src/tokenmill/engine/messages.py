@@ -56,4 +56,5 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int  # the model's output rows (the tokenizer may name fewer ids)
     kv_cache_tokens: int  # KV blocks * block size
+    scheduling_policy: str = "fcfs"  # EngineConfig.scheduling_policy
     pid: int = field(default_factory=os.getpid)  # the engine's process: the one building this

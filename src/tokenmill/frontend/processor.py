@@ -28,6 +28,7 @@ class InputProcessor:
         self.max_model_len = info.max_model_len
         self.vocab_size = min(info.vocab_size, tokenizer.vocab_size)
         self.model_vocab_size = info.vocab_size
+        self.scheduling_policy = info.scheduling_policy
 
     def vocabulary(self) -> Vocabulary:
         """What the engine's grammar compiler needs of the tokenizer (structured outputs)."""
@@ -71,8 +72,19 @@ class InputProcessor:
                 "max_tokens")
         return params.max_tokens
 
+    def check_priority(self, priority: int) -> int:
+        """``priority`` once the engine's scheduling policy honours it (any integer with
+        "priority"; only 0 with "fcfs", as vLLM answers)."""
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise InvalidParameterError(
+                "priority is honoured only when the server schedules by priority "
+                "(--scheduling-policy priority); this one schedules first come, first "
+                "served, where it must be 0", "priority")
+        return priority
+
     def make_core_requests(self, request_id: str, prompt_token_ids: list[int],
-                           params: SamplingParams) -> list[EngineCoreRequest]:
+                           params: SamplingParams, priority: int = 0) -> list[EngineCoreRequest]:
+        self.check_priority(priority)
         max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params)
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         self.check_token_ids(params.logit_bias or (), "logit_bias")
@@ -92,6 +104,7 @@ class InputProcessor:
                 sampling_params=child,
                 eos_token_ids=eos,
                 group_id=group,
+                priority=priority,
             ))
         return children
 

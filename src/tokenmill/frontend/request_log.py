@@ -90,6 +90,7 @@ class RequestLog:
             "output_tokens": choice.num_output_tokens,
             "cached_tokens": choice.num_cached_tokens,
             "preemptions": tl.num_preemptions,
+            "priority": choice.priority,
             "ttft": ttft,
             "tpot": stats.time_per_output_token if stats else None,
             "e2e": stats.e2e_latency if stats else None,

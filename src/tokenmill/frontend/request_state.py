@@ -32,17 +32,19 @@ def open_choices(core_requests: Sequence[EngineCoreRequest], tokenizer: Tokenize
     their lifecycles begun: arrived at ``arrival_ts``, input processed now."""
     events = [RequestEvent(RequestEventType.ARRIVED, arrival_ts),
               RequestEvent(RequestEventType.INPUT_PROCESSED, time.monotonic())]
-    return [ChoiceState(i, r.req_id, tokenizer, r.prompt_token_ids, r.sampling_params, events)
+    return [ChoiceState(i, r.req_id, tokenizer, r.prompt_token_ids, r.sampling_params, events,
+                        r.priority)
             for i, r in enumerate(core_requests)]
 
 
 class ChoiceState:
     def __init__(self, index: int, req_id: str, tokenizer: Tokenizer,
                  prompt_token_ids: Sequence[int], params: SamplingParams,
-                 frontend_events: list[RequestEvent]) -> None:
+                 frontend_events: list[RequestEvent], priority: int = 0) -> None:
         self.index = index
         self.req_id = req_id
         self.params = params
+        self.priority = priority
         self.num_prompt_tokens = len(prompt_token_ids)
         self.detokenizer = IncrementalDetokenizer(
             tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
@@ -100,7 +102,8 @@ class ChoiceState:
         return compute_request_stats(
             events, num_prompt_tokens=self.num_prompt_tokens,
             num_cached_tokens=self.num_cached_tokens,
-            counters=final.counters if final and final.counters else RequestCounters())
+            counters=final.counters if final and final.counters else RequestCounters(),
+            priority=self.priority)
 
 
 def _with_reason(event: RequestEvent, reason: FinishReason) -> RequestEvent:

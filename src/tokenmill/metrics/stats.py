@@ -59,6 +59,7 @@ class RequestStats:
     finish_reason: FinishReason | None
     num_draft_tokens: int = 0  # speculative drafts verified
     num_accepted_tokens: int = 0  # of which accepted
+    priority: int = 0  # the request's scheduling priority (lower ran first)
 
     @property
     def draft_acceptance_rate(self) -> float | None:
@@ -86,6 +87,7 @@ class RequestStats:
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "draft_acceptance_rate": self.draft_acceptance_rate,
+            "priority": self.priority,
         }
 
 
@@ -119,6 +121,7 @@ def compute_request_stats(
     num_prompt_tokens: int,
     num_cached_tokens: int,
     counters: RequestCounters,
+    priority: int = 0,
 ) -> RequestStats:
     """Materialise one request's events into its stats (definitions: module docstring)."""
     ordered = sorted(events, key=lambda e: e.ts)
@@ -150,5 +153,6 @@ def compute_request_stats(
         num_prompt_tokens=num_prompt_tokens,
         num_generation_tokens=sum(e.num_tokens for e in new_tokens),
         finish_reason=None if finished is None else finished.finish_reason,
+        priority=priority,
         **asdict(counters),
     )

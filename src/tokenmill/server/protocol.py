@@ -110,6 +110,8 @@ class _Common(BaseModel):
     presence_penalty: Float = 0.0
     frequency_penalty: Float = 0.0
     logit_bias: dict[Text, Float] | None = None
+    # vLLM's: lower runs first (with --scheduling-policy priority; else it must be 0)
+    priority: Annotated[int, Field(strict=True, ge=-(1 << 63), lt=1 << 63)] = 0
     user: Text | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None

@@ -189,15 +189,16 @@ class OpenAIServing:
     async def _serve(self, body: _Common, params: SamplingParams, request_id: str,
                      prompt_ids: list[list[int]], echo: list[str] | None, fmt: CompletionFormat,
                      receive: Receive, reasoning: ReasoningCount | None = None):
-        job = self.start(params, request_id, prompt_ids, echo, fmt, reasoning)
+        job = self.start(params, request_id, prompt_ids, echo, fmt, reasoning, body.priority)
         if body.stream:
             return _EngineStreamResponse(job.stream, self._sse(job, body, fmt))
         return await self.respond(job, self._collect(job, body, fmt), receive)
 
     def start(self, params: SamplingParams, request_id: str, prompt_ids: list[list[int]],
               echo: list[str] | None, fmt: CompletionFormat,
-              reasoning: ReasoningCount | None = None) -> Job:
-        """Admit the request to the engine (a 503 when the queue is full) and open its job."""
+              reasoning: ReasoningCount | None = None, priority: int = 0) -> Job:
+        """Admit the request to the engine (a 503 when the queue is full) and open its job;
+        ``priority``: its scheduling priority (vLLM's request field)."""
         arrival = time.monotonic()
         # NOTE: clients choose request ids (x-request-id) and may reuse them; engine ids
         # must be unique, so the engine gets its own.
@@ -206,7 +207,8 @@ class OpenAIServing:
                     len(prompt_ids), params.n, engine_id)
         core_requests = []
         for i, ids in enumerate(prompt_ids):
-            core_requests += self.processor.make_core_requests(f"{engine_id}-p{i}", ids, params)
+            core_requests += self.processor.make_core_requests(f"{engine_id}-p{i}", ids, params,
+                                                               priority)
         try:
             stream = self.engine.add_request(core_requests, arrival, request_id)
         except AdmissionRejected as rejected:

@@ -94,6 +94,12 @@ class KVCacheManager:
         need = -(-total // self.block_size) - have
         return max(need, 0) + sum(1 for b in cached_blocks if b.ref_count == 0)
 
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     cached_blocks: list[KVBlock] = ()) -> bool:  # type: ignore[assignment]
+        """Whether ``allocate`` with these arguments would succeed now."""
+        return (self.num_blocks_needed(request, num_new_tokens, cached_blocks)
+                <= self.pool.num_free_blocks)
+
     def allocate(self, request: Request, num_new_tokens: int,
                  cached_blocks: list[KVBlock] = ()) -> bool:  # type: ignore[assignment]
         """Give ``request`` room for ``num_new_tokens`` more tokens; False if blocks run out.
@@ -101,8 +107,7 @@ class KVCacheManager:
         ``cached_blocks`` (from ``find_cached_blocks``, for a request with nothing computed)
         become the head of its table; the caller advances ``num_computed_tokens`` past them.
         """
-        needed = self.num_blocks_needed(request, num_new_tokens, cached_blocks)
-        if needed > self.pool.num_free_blocks:
+        if not self.can_allocate(request, num_new_tokens, cached_blocks):
             return False
         table = self._tables.setdefault(request.req_id, [])
         if cached_blocks:
