@@ -174,11 +174,11 @@ def test_config_from_older_hf_layout():
     assert config.rope_theta == 500000.0
     assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert (config.head_dim, config.num_key_value_heads) == (16, 4)
-    with pytest.raises(ModelLoadError, match="unsupported rope scaling type 'yarn'"):
+    with pytest.raises(ModelLoadError, match="unsupported rope scaling type 'longrope'"):
         ModelConfig.from_hf_dict({
             "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+            "rope_scaling": {"rope_type": "longrope", "factor": 4.0},
         }, HF_FAMILIES)
 
 
