@@ -12,6 +12,32 @@ from dataclasses import dataclass, field, replace
 from tokenmill.errors import InvalidParameterError
 
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar")
+POOLING_KINDS = ("last", "mean", "cls")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingParams:
+    """An embedding request: its prompt's hidden states after the model's final norm,
+    pooled into one vector, instead of generated tokens.
+
+    ``kind``: "last" (the last token's state; a decoder's default, as vLLM's embedding
+    conversion of a decoder), "mean" (the mean over every prompt token) or "cls" (the first
+    token's). ``normalize``: the vector scaled to unit L2 norm (vLLM's default).
+    """
+
+    kind: str = "last"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.kind in POOLING_KINDS,
+               f"pooling must be one of {', '.join(POOLING_KINDS)}", "pooling")
+        _check(isinstance(self.normalize, bool), "normalize must be true or false", "normalize")
+
+    @property
+    def needs_every_token(self) -> bool:
+        """Whether every prompt position must be computed (no prefix-cache hit may skip
+        one): all but "last", whose one position is always computed."""
+        return self.kind != "last"
 
 
 @dataclass(frozen=True, slots=True)

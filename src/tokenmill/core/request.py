@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from tokenmill.core.detokenizer import IncrementalDetokenizer
 from tokenmill.core.records import FinishReason, RequestCounters, RequestEvent, RequestEventType
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import PoolingParams, SamplingParams
 from tokenmill.structured.matcher import RequestGrammar
 
 
@@ -42,6 +42,8 @@ class EngineCoreRequest:
     eos_token_ids: frozenset[int]
     group_id: str | None = None  # the API request this choice belongs to, for n > 1
     priority: int = 0  # lower runs first (scheduling policy "priority"; else always 0)
+    # an embedding request: its prompt pooled, no token sampled (sampling_params unused)
+    pooling: PoolingParams | None = None
 
 
 class Request:
@@ -54,6 +56,10 @@ class Request:
         self.group_id = core_request.group_id
         self.priority = core_request.priority
         self.arrival = 0  # the scheduler's arrival number: ties of priority go in this order
+        self.pooling = core_request.pooling
+        # An embedding request's pooled state so far (the model runner's partial results);
+        # reset by a preemption, which recomputes every position.
+        self.pooled: list[float] | None = None
         self.sampling_params = params
         self.eos_token_ids = core_request.eos_token_ids
         self.prompt_token_ids = list(core_request.prompt_token_ids)

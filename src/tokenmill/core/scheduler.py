@@ -32,6 +32,13 @@ soon as the grammar is complete; drafts are cut to what the grammar accepts. A r
 with stop strings stops (reason ``stop``) on the token that completes one: no token past
 it is committed, and none is computed after that step.
 
+An embedding request (``pooling``) is scheduled as a prompt like any other (the same
+budget, chunks and blocks) but never samples: each of its chunks comes back with its
+share of the pooled vector, which it adds up, and the step that computes its last
+position finishes it (reason ``stop``) with the vector, its blocks freed. Mean and CLS
+pooling take no prefix-cache hit (every position must be computed); a preemption
+starts its pooling over.
+
 Queue accounting (the tokens-waiting gauges) is kept as running sums that change only
 when a request enters or leaves the waiting queue; nothing walks the queue per step::
 
@@ -44,6 +51,7 @@ The scheduler is the only writer of Request state. It never touches torch.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from bisect import insort
 from collections import deque
@@ -185,7 +193,7 @@ class Scheduler:
     def _propose_drafts(self, request: Request, budget: int) -> tuple[int, ...]:
         """Drafts for a request about to sample, no more than its budget, ``max_tokens``
         and ``max_model_len`` leave room for after one sampled token."""
-        if (self.proposer is None or request.num_tokens_to_compute != 1
+        if (self.proposer is None or request.num_tokens_to_compute != 1 or request.pooling
                 or len(self.running) > self.speculative_max_batch):
             return ()
         room = min(budget, request.max_tokens - request.num_output_tokens,
@@ -209,6 +217,8 @@ class Scheduler:
             if request.group_id in self._prefilling_groups and self.kv.enable_prefix_caching:
                 break  # NOTE: wait for a sibling's prompt blocks to land in the prefix cache
             cached = self.kv.find_cached_blocks(request)
+            if request.pooling is not None and request.pooling.needs_every_token:
+                cached = []
             num_cached = len(cached) * self.kv.block_size
             num_new = request.num_tokens - num_cached
             if num_new > budget:
@@ -263,6 +273,7 @@ class Scheduler:
             self._end_prefill(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.pooled = None
         request.counters.num_preemptions += 1
         self.num_preemptions_in_step += 1
         request.record(RequestEventType.PREEMPTED)
@@ -281,13 +292,14 @@ class Scheduler:
             token_ids=tuple(request.all_token_ids[start:start + num_new]) + drafts,
             start_pos=start,
             block_ids=self.kv.block_ids(request.req_id),
-            sample=start + num_new == request.num_tokens,
+            sample=start + num_new == request.num_tokens and request.pooling is None,
             sampling_params=params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             mask_stop_tokens=banned,
             draft_token_ids=drafts,
             grammar=request.grammar,
+            pooling=request.pooling,
         )
 
     # ---------------------------------------------------------------- update
@@ -305,6 +317,9 @@ class Scheduler:
             request.counters.model_forward_time += runner_output.forward_time
             self.kv.cache_computed_blocks(request)
             self.kv.release_behind_window(request)
+            if request.pooling is not None:
+                self._pool(request, runner_output.pooled.get(item.req_id), result)
+                continue
             token_ids = runner_output.sampled.get(item.req_id)
             if not token_ids:
                 continue
@@ -315,6 +330,31 @@ class Scheduler:
             result.outputs.append(self.make_output(
                 request, committed, logprobs[:len(committed)] if logprobs else None))
         return result
+
+    def _pool(self, request: Request, part: list[float] | None, result: StepResult) -> None:
+        """Add a chunk's share of an embedding request's vector; once its last position is
+        computed, finish it with the vector (mean divided by the count, then normalised)."""
+        pooling = request.pooling
+        assert pooling is not None
+        if part is not None:
+            if pooling.kind == "mean" and request.pooled is not None:
+                request.pooled = [a + b for a, b in zip(request.pooled, part, strict=True)]
+            else:
+                request.pooled = part
+        if request.num_computed_tokens < request.num_tokens:
+            return
+        assert request.pooled is not None, "every chunk of a pooling request pools"
+        vector = request.pooled
+        if pooling.kind == "mean":
+            vector = [x / request.num_tokens for x in vector]
+        if pooling.normalize:
+            norm = math.sqrt(sum(x * x for x in vector)) or 1.0
+            vector = [x / norm for x in vector]
+        result.num_prompt_tokens += request.num_prompt_tokens
+        result.num_cached_prompt_tokens += request.num_cached_tokens
+        self.running.remove(request)
+        self.finish(request, FinishReason.STOP)
+        result.outputs.append(self.make_output(request, (), embedding=tuple(vector)))
 
     def _settle_drafts(self, request: Request, num_drafts: int, num_accepted: int,
                        result: StepResult) -> None:
@@ -362,7 +402,8 @@ class Scheduler:
 
     @staticmethod
     def make_output(request: Request, new_token_ids: tuple[int, ...],
-                    new_logprobs: tuple | None = None) -> EngineCoreOutput:
+                    new_logprobs: tuple | None = None,
+                    embedding: tuple[float, ...] | None = None) -> EngineCoreOutput:
         finished = request.finish_reason is not None
         return EngineCoreOutput(
             req_id=request.req_id,
@@ -374,6 +415,7 @@ class Scheduler:
             counters=replace(request.counters) if finished else None,
             error=request.error if finished else None,
             stop_string=request.stop_text.stop_reason if request.stop_text else None,
+            embedding=embedding,
         )
 
     # ---------------------------------------------------------------- finish

@@ -18,7 +18,7 @@ from tokenmill.core.records import (
     SchedulerStats,
     pickled_by_fields,
 )
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import PoolingParams, SamplingParams
 from tokenmill.structured.matcher import RequestGrammar
 
 
@@ -48,6 +48,9 @@ class ScheduledRequest:
     # NOTE: the request's own grammar state (a structured output), read-only here: the
     # sampler's masks come from it; the scheduler feeds it the committed tokens.
     grammar: RequestGrammar | None = None
+    # An embedding request (never sampled): the runner pools this chunk's hidden states
+    # (``ModelRunnerOutput.pooled``).
+    pooling: PoolingParams | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +84,10 @@ class ModelRunnerOutput:
     sampled: dict[str, tuple[int, ...]]
     logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
     forward_time: float = 0.0
+    # Per embedding request in the step, its chunk's share of the pooled vector (after the
+    # final norm, float32): "mean" the sum of the chunk's rows; "cls" the first position's
+    # row (only in the chunk holding it); "last" the last position's (only in the last chunk).
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @pickled_by_fields
@@ -97,6 +104,7 @@ class EngineCoreOutput:
     counters: RequestCounters | None = None  # its lifetime counters, once finished
     error: str | None = None  # with finish reason "error": why, when the core knows
     stop_string: str | None = None  # the stop string that ended it (then nothing else did)
+    embedding: tuple[float, ...] | None = None  # an embedding request's vector, once finished
 
     @property
     def finished(self) -> bool:

@@ -9,7 +9,8 @@ The flat batch lays the scheduled requests' new tokens end to end::
     input_ids:  | r0: token_ids | r1: token_ids | ... |
     positions:  | start_pos ..  | start_pos ..  | ... |
     logits are taken at the last token of every request scheduled with ``sample``, and
-    at each of its draft tokens' positions before (see spec_decode.py).
+    at each of its draft tokens' positions before (see spec_decode.py); an embedding
+    request's rows (``pooling``) are pooled instead (``ModelRunnerOutput.pooled``).
 
 Invariant: a position's arithmetic depends on what it is, not on what else the step
 holds. Prompt positions take the prefill attention; output positions the decode attention,
@@ -65,6 +66,7 @@ class ModelRunner:
         with torch.inference_mode():
             input_ids, positions, metadata, sample_rows = self._prepare(scheduler_output.requests)
             hidden = self.model(input_ids, positions, metadata, self.kv_caches)
+            pooled = _pool(scheduler_output.requests, metadata.query_start_loc, hidden)
             sampled: dict[str, tuple[int, ...]] = {}
             logprobs = {}
             if sample_rows:
@@ -75,7 +77,8 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[rows], widen=False)
                 result = self.sampler(logits, self._sampling_batch(items))
                 sampled, logprobs = accept_drafts(items, result.token_ids, result.logprobs)
-        return ModelRunnerOutput(sampled, logprobs, forward_time=time.monotonic() - start)
+        return ModelRunnerOutput(sampled, logprobs, forward_time=time.monotonic() - start,
+                                 pooled=pooled)
 
     def _prepare(self, requests: tuple[ScheduledRequest, ...]):
         bs = self.block_size
@@ -124,3 +127,23 @@ class ModelRunner:
             banned_token_ids=rows.banned_token_ids,
             grammar=grammar_bitmask(items, self.vocab_size),  # structured outputs' masks
         )
+
+
+def _pool(requests: tuple[ScheduledRequest, ...], query_start_loc: list[int],
+          hidden: torch.Tensor) -> dict[str, list[float]]:
+    """Each embedding request's share of its pooled vector from this chunk's rows of
+    ``hidden`` (after the final norm), in float32 (see ``ModelRunnerOutput.pooled``)."""
+    pooled: dict[str, list[float]] = {}
+    for item, begin, end in zip(requests, query_start_loc[:-1], query_start_loc[1:],
+                                strict=True):
+        pooling = item.pooling
+        if pooling is None:
+            continue
+        if pooling.kind == "mean":
+            pooled[item.req_id] = hidden[begin:end].float().sum(dim=0).tolist()
+        elif pooling.kind == "cls" and item.start_pos == 0:
+            pooled[item.req_id] = hidden[begin].float().tolist()
+        elif pooling.kind == "last" and item.start_pos + end - begin == len(
+                item.prompt_token_ids):
+            pooled[item.req_id] = hidden[end - 1].float().tolist()
+    return pooled

@@ -22,7 +22,7 @@ from tokenmill.frontend.outputs import ChoiceDelta, CompletionOutput, RequestOut
 from tokenmill.frontend.processor import InputProcessor
 from tokenmill.frontend.request_state import ChoiceState, open_choices
 from tokenmill.model_hub import local_model
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import PoolingParams, SamplingParams
 from tokenmill.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
 Prompt = str | Sequence[int]
@@ -64,6 +64,24 @@ class LLM:
              ) -> RequestOutput:
         prompt_ids = self.tokenizer.apply_chat_template(messages)
         return self.generate([prompt_ids], sampling_params)[0]
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling: PoolingParams | None = None) -> list[list[float]]:
+        """One vector per prompt, in prompt order: its hidden states after the final norm,
+        pooled (last token and L2-normalised by default), computed by the same engine."""
+        pooling = pooling or PoolingParams()
+        choices: dict[str, tuple[RequestOutput, ChoiceState]] = {}
+        vectors: dict[str, list[float]] = {}
+        for prompt in _as_prompt_list(prompts):
+            core_request = self.processor.make_pooling_request(
+                f"offline-{next(self._ids)}", self.processor.tokenize(prompt), pooling)
+            state = open_choices([core_request], self.tokenizer, time.monotonic())[0]
+            self.client.add_request(core_request)
+            choices[state.req_id] = (RequestOutput(state.req_id, None, [], []), state)
+        for output, delta in self._run(choices):
+            if delta.embedding is not None:
+                vectors[output.request_id] = list(delta.embedding)
+        return [vectors[req_id] for req_id in choices]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                ) -> Iterator[ChoiceDelta]:

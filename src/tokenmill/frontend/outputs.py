@@ -26,6 +26,7 @@ class ChoiceDelta:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     stats: RequestStats | None = None  # on the final delta
+    embedding: tuple[float, ...] | None = None  # an embedding request's, on its final delta
 
     @property
     def finished(self) -> bool:

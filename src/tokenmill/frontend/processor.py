@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from tokenmill.core.request import EngineCoreRequest
 from tokenmill.engine.messages import EngineInfo
 from tokenmill.errors import InvalidParameterError
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import PoolingParams, SamplingParams
 from tokenmill.structured.compiler import Vocabulary
 from tokenmill.tokenizer.tokenizer import Tokenizer
 
@@ -107,6 +107,18 @@ class InputProcessor:
                 priority=priority,
             ))
         return children
+
+    def make_pooling_request(self, request_id: str, prompt_token_ids: list[int],
+                             pooling: PoolingParams) -> EngineCoreRequest:
+        """An embedding request: its prompt within the context, nothing to generate."""
+        if len(prompt_token_ids) > self.max_model_len:
+            raise InvalidParameterError(
+                f"the input has {len(prompt_token_ids)} tokens; this model's maximum context "
+                f"length is {self.max_model_len} tokens", "input")
+        return EngineCoreRequest(
+            req_id=request_id, prompt_token_ids=tuple(prompt_token_ids),
+            sampling_params=SamplingParams(max_tokens=1, ignore_eos=True),
+            eos_token_ids=self.tokenizer.eos_token_ids, pooling=pooling)
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:

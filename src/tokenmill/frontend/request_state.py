@@ -84,7 +84,8 @@ class ChoiceState:
                     ChoiceDelta(self.index, "", (), None, self.num_output_tokens,
                                 finish_reason=reason.value, stop_reason=self.stop_reason))
         return (ChoiceDelta(self.index, text, token_ids, logprobs, self.num_output_tokens,
-                            finish_reason=reason.value, stop_reason=self.stop_reason),)
+                            finish_reason=reason.value, stop_reason=self.stop_reason,
+                            embedding=out.embedding),)
 
     def mark_emitted(self, delta: ChoiceDelta) -> ChoiceDelta:
         """Stamp the hand-over of ``delta`` to the client; the final one gets its stats."""
