@@ -1,10 +1,10 @@
-"""``DecodeLayers`` (``NativeKernels.decode_layers``): a batch of decodes through every
-layer in one native call gives the logits and the KV cache the layer modules give, bit for
-bit, for every family whose graph it runs, in both dtypes and every quantization this host
-runs (where a quantization's weight format is not the native kernels', the model takes the
-modules), also where the call splits many sequences between its threads, and so does a
-batch with prompt rows where the native prefill attention takes them; models it cannot run
-take the modules.
+"""``DecodeLayers`` (``NativeKernels.decode_layers``): a batch of decodes through every layer
+in one native call gives the logits and the KV cache the layer modules give, bit for bit,
+for every family whose graph it runs, in both dtypes and every quantization this host runs
+(a GGUF file's own blocks too; where a quantization's weight format is not the native
+kernels', the model takes the modules), also where the call splits many sequences between
+its threads, and so does a batch with prompt rows where the native prefill attention takes
+them; models it cannot run take the modules.
 
 An option this host runs (``quantization_hosts.runs_here``, from the kernels' capabilities,
 before building) that the loader refuses fails the test; only an option the host cannot run
@@ -16,6 +16,8 @@ import dataclasses
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf_writer import write_gguf
 from paged_runner import PagedRunner
 
 from quantization_hosts import runs_here
@@ -169,6 +171,26 @@ def test_one_native_call_equals_the_layer_modules(tiny_model_dir, native, varian
     if not fused_call_applies(quantization, DTYPES[dtype], native):
         assert model.decode_layers is None  # PyTorch's kernels: the modules run
         return
+    assert model.decode_layers is not None
+    native_logits, native_caches = decode_steps(model, native=True)
+    module_logits, module_caches = decode_steps(model, native=False)
+    for ours, theirs in zip(native_logits, module_logits, strict=True):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(native_caches, module_caches, strict=True):
+        assert torch.equal(ours, theirs)
+
+
+# a GGUF file's own blocks (--quantization gguf) on the native int8 kernel (Q8_0: a
+# scale per 32 inputs) and int4 kernel (Q4_1: one 4-bit plane)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_one_native_call_on_a_gguf_files_blocks_equals_the_layer_modules(
+        tiny_model_dir, tmp_path, native, dtype, qtype):
+    if not native.capabilities.linear(DTYPES[dtype]):
+        pytest.skip(f"this CPU has no native linear kernels for {dtype}: no gguf")
+    path = str(tmp_path / "m.gguf")
+    write_gguf(tiny_model_dir("llama"), path, GGMLQuantizationType[qtype])
+    model = load_model(path, DTYPES[dtype], CPU, "gguf", native)[0]
     assert model.decode_layers is not None
     native_logits, native_caches = decode_steps(model, native=True)
     module_logits, module_caches = decode_steps(model, native=False)
