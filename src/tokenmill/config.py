@@ -21,7 +21,7 @@ from typing import Any
 
 from tokenmill.errors import InvalidParameterError
 from tokenmill.quantization_names import QUANTIZATION_CHOICES
-from tokenmill.sampling_params import SamplingParams, StructuredOutput
+from tokenmill.sampling_params import POOLING_KINDS, SamplingParams, StructuredOutput
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 KERNEL_CHOICES = ("auto", "native", "torch")
@@ -261,6 +261,13 @@ class ServerConfig:
         None, "split the model's reasoning from its answer: deepseek_r1 or qwen3 "
         "(<think>...</think>), openai_gptoss (gpt-oss's analysis channel); default: none",
         choices=REASONING_PARSERS)
+    embedding_pooling: str = option(
+        "last", "how /v1/embeddings pools a prompt's hidden states (after the final norm): "
+        "last (the last token's: a decoder's default), mean or cls (the first token's)",
+        choices=POOLING_KINDS, flag="pooling")
+    embedding_normalize: bool = option(
+        True, "/v1/embeddings vectors scaled to unit length unless a request's normalize "
+        "says otherwise")
 
     def __post_init__(self) -> None:
         if any(not isinstance(key, str) or not key.strip() for key in self.api_keys):
@@ -271,6 +278,7 @@ class ServerConfig:
             raise InvalidParameterError("shutdown_timeout must not be negative",
                                         "shutdown_timeout")
         _one_of("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
+        _one_of("embedding_pooling", self.embedding_pooling, POOLING_KINDS)
         if self.reasoning_parser is not None:
             _one_of("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         if self.log_stats_interval <= 0:

@@ -9,6 +9,7 @@ import pytest
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
 USER = [{"role": "user", "content": "hi"}]
 
 
@@ -96,6 +97,19 @@ BAD_REQUESTS = [
     ("POST", COMPLETIONS, completion(logit_bias={"1": "5"}), 400, "logit_bias"),
     ("POST", COMPLETIONS, completion(logit_bias=[1]), 400, "logit_bias"),
     ("POST", COMPLETIONS, completion(best_of=3), 400, "best_of"),
+    # embeddings
+    ("POST", EMBEDDINGS, {"input": ""}, 400, "input"),
+    ("POST", EMBEDDINGS, {"input": []}, 400, "input"),
+    ("POST", EMBEDDINGS, {"input": [[]]}, 400, "input"),
+    ("POST", EMBEDDINGS, {"input": ["ok", ""]}, 400, "input"),
+    ("POST", EMBEDDINGS, {"input": [99999]}, 400, "input"),
+    ("POST", EMBEDDINGS, {"input": 5}, 400, "input"),
+    ("POST", EMBEDDINGS, {"input": "x " * 300}, 400, "input"),
+    ("POST", EMBEDDINGS, {"input": "x", "dimensions": 8}, 400, "dimensions"),
+    ("POST", EMBEDDINGS, {"input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
+    ("POST", EMBEDDINGS, {"input": "x", "normalize": "yes"}, 400, "normalize"),
+    ("POST", EMBEDDINGS, {"input": "x", "priority": 2}, 400, "priority"),
+    ("POST", EMBEDDINGS, {"input": "x", "model": "other"}, 404, "model"),
     # chat
     ("POST", CHAT, {"messages": []}, 400, "messages"),
     ("POST", CHAT, {"messages": "hi"}, 400, "messages"),

@@ -21,8 +21,10 @@ from tokenmill.frontend.request_log import RequestLog
 from tokenmill.metrics.history import EngineHistory
 from tokenmill.metrics.log import StatLogger
 from tokenmill.metrics.prometheus import PrometheusMetrics
+from tokenmill.sampling_params import PoolingParams
 from tokenmill.server.anthropic import MessagesServing
 from tokenmill.server.anthropic_protocol import CountTokensRequest, MessagesRequest
+from tokenmill.server.embeddings import EmbeddingRequest, EmbeddingServing
 from tokenmill.server.errors import APIError, error_response_for, install_error_handlers
 from tokenmill.server.lifecycle import ServerLifecycle
 from tokenmill.server.middleware import RequestGate
@@ -92,6 +94,8 @@ def build_app(engine: AsyncEngineClient, processor: InputProcessor, metrics: Pro
     serving = OpenAIServing(engine, processor, metrics, server_config)
     responses_serving = ResponsesServing(serving, server_config.served_model_name)
     messages_serving = MessagesServing(serving, server_config.served_model_name)
+    embedding_serving = EmbeddingServing(serving, PoolingParams(
+        server_config.embedding_pooling, server_config.embedding_normalize))
     lifecycle = lifecycle or ServerLifecycle(engine, shutdown_timeout=0.0)
 
     @contextlib.asynccontextmanager
@@ -138,6 +142,10 @@ def build_app(engine: AsyncEngineClient, processor: InputProcessor, metrics: Pro
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         return await serving.chat(body, request.state.request_id, request.receive)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        return await embedding_serving.create(body, request.state.request_id, request.receive)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):

@@ -282,17 +282,22 @@ class CompletionRequest(_Common):
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a text or a list of token ids."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            raise InvalidParameterError("prompt must not be empty", "prompt")
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+        return text_or_token_list(self.prompt, "prompt")
 
     def to_sampling_params(self) -> SamplingParams:
         return self.sampling_params(self.max_tokens, self.logprobs, self.structured_output()[0])
+
+
+def text_or_token_list(given: str | list[str] | list[int] | list[list[int]],
+                       param: str) -> list[str | list[int]]:
+    """OpenAI's text, texts, token ids or lists of token ids, as one entry per item."""
+    if isinstance(given, str):
+        return [given]
+    if not given:
+        raise InvalidParameterError(f"{param} must not be empty", param)
+    if all(isinstance(x, int) for x in given):
+        return [list(given)]  # type: ignore[arg-type]
+    return list(given)  # type: ignore[arg-type]
 
 
 class ContentPart(BaseModel):

@@ -227,12 +227,7 @@ class OpenAIServing:
     @staticmethod
     async def respond(job: Job, body: Awaitable[dict], receive: Receive) -> Response:
         """``body`` as JSON, unless the client leaves first; ``job``'s stream is closed."""
-        try:
-            return JSONResponse(await _unless_disconnected(body, receive))
-        except _ClientGone:  # the stream's close logs how each choice ended
-            return Response(status_code=499)  # nobody reads it
-        finally:
-            job.stream.close()
+        return await respond_json(job.stream, body, receive)
 
     @staticmethod
     async def chat_deltas(job: Job, fmt: ChatFormat
@@ -348,6 +343,17 @@ class _EngineStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._stream.close()
+
+
+async def respond_json(stream: RequestStream, body: Awaitable[dict],
+                       receive: Receive) -> Response:
+    """``body`` as JSON, unless the client leaves first; ``stream`` is closed."""
+    try:
+        return JSONResponse(await _unless_disconnected(body, receive))
+    except _ClientGone:  # the stream's close logs how each choice ended
+        return Response(status_code=499)  # nobody reads it
+    finally:
+        stream.close()
 
 
 class _ClientGone(Exception):
