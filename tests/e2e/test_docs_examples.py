@@ -72,6 +72,9 @@ BENCH_SMALL = ["--num-requests", "4", "--no-progress"]
 # (doc, start of the block's first line) -> why the block is not run. Its tokenmill
 # command lines are still parsed.
 NOT_RUN = {
+    ("docs/api.md", "# against a server started with --scheduling-policy priority"):
+        "needs a server that schedules by priority (the test server schedules first come, "
+        "first served); tests/e2e/test_priority_server.py sends the same request",
     ("README.md", "python3 -m venv .venv && . .venv/bin/activate && pip install -e . &&"):
         "installs packages, then serves on the default port 8000",
     ("README.md", "python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[test]'"):
