@@ -4,7 +4,9 @@ The "model" continues any sequence with ``(sum of its tokens) % vocab``: the nex
 depends on the whole context, so a scheduling bug that feeds wrong tokens shows up in
 the output, and the same prompt always yields the same continuation. Another rule can
 be passed as ``next_token``. Speculative drafts are verified as the real runner does:
-the model's token at each position, accepted while it equals the draft.
+the model's token at each position, accepted while it equals the draft. An embedding
+request's "hidden state" at a position is ``[token, 1.0]``, pooled as the real runner
+pools (``fake_pooled``).
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class FakeExecutor:
         self.steps.append(scheduler_output)
         bs = self.block_size
         sampled = {}
+        pooled = {item.req_id: part for item in scheduler_output.requests
+                  if (part := fake_pooled(item)) is not None}
         for item in scheduler_output.requests:
             first = 0 if self.window is None else max(0, item.start_pos - self.window + 1)
             context = [self.slots[(item.block_ids[p // bs], p % bs)]
@@ -78,7 +82,23 @@ class FakeExecutor:
                 while len(new) < self.tokens_per_step:
                     new.append(self.next_token(sequence + new))
                 sampled[item.req_id] = tuple(new)
-        return ModelRunnerOutput(sampled=sampled, forward_time=0.001)
+        return ModelRunnerOutput(sampled=sampled, forward_time=0.001, pooled=pooled)
+
+
+def fake_pooled(item) -> list[float] | None:
+    """This chunk's share of the pooled vector, where the hidden state at a position
+    holding token t is ``[t, 1.0]`` (the model runner's ``_pool``, on that model)."""
+    pooling = item.pooling
+    if pooling is None:
+        return None
+    rows = [[float(t), 1.0] for t in item.token_ids]
+    if pooling.kind == "mean":
+        return [sum(r[0] for r in rows), float(len(rows))]
+    if pooling.kind == "cls" and item.start_pos == 0:
+        return rows[0]
+    if pooling.kind == "last" and item.start_pos + len(rows) == len(item.prompt_token_ids):
+        return rows[-1]
+    return None
 
 
 _ids = itertools.count()
