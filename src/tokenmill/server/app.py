@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -41,6 +43,22 @@ from tokenmill.server.ui import install_ui
 from tokenmill.tokenizer.tokenizer import load_tokenizer
 
 logger = logging.getLogger("tokenmill")
+
+EngineHandler = Callable[[Any, str, Callable], Awaitable[Any]]
+
+
+def _engine_route(body_model: type, handle: EngineHandler) -> Callable:
+    """A POST route that parses its body as ``body_model`` and hands it to ``handle`` with
+    the request's id and its ``receive`` (to notice a client that leaves). The signature
+    is set, not annotated, since the body's type is a value here."""
+
+    async def route(body, request: Request):
+        return await handle(body, request.state.request_id, request.receive)
+
+    route.__signature__ = inspect.Signature([
+        inspect.Parameter("body", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=body_model),
+        inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Request)])
+    return route
 
 
 def build_server(server_config: ServerConfig, config: EngineConfig, client: EngineClient,
@@ -135,25 +153,13 @@ def build_app(engine: AsyncEngineClient, processor: InputProcessor, metrics: Pro
             "id": server_config.served_model_name, "object": "model", "created": int(time.time()),
             "owned_by": "tokenmill", "max_model_len": max_model_len}]}
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await serving.completions(body, request.state.request_id, request.receive)
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request):
-        return await serving.chat(body, request.state.request_id, request.receive)
-
-    @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest, request: Request):
-        return await embedding_serving.create(body, request.state.request_id, request.receive)
-
-    @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest, request: Request):
-        return await responses_serving.create(body, request.state.request_id, request.receive)
-
-    @app.post("/v1/messages")
-    async def messages(body: MessagesRequest, request: Request):
-        return await messages_serving.create(body, request.state.request_id, request.receive)
+    for path, body_model, handle in (
+            ("/v1/completions", CompletionRequest, serving.completions),
+            ("/v1/chat/completions", ChatCompletionRequest, serving.chat),
+            ("/v1/embeddings", EmbeddingRequest, embedding_serving.create),
+            ("/v1/responses", ResponsesRequest, responses_serving.create),
+            ("/v1/messages", MessagesRequest, messages_serving.create)):
+        app.add_api_route(path, _engine_route(body_model, handle), methods=["POST"])
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> dict:

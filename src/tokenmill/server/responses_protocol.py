@@ -22,7 +22,13 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
 from tokenmill.errors import InvalidParameterError
-from tokenmill.server.protocol import ChatCompletionRequest, Float, FunctionName, Text
+from tokenmill.server.protocol import (
+    ChatCompletionRequest,
+    Float,
+    FunctionDefinition,
+    FunctionName,
+    Text,
+)
 
 # the chat field an error names -> the Responses field it came from
 CHAT_TO_RESPONSES = {"max_completion_tokens": "max_output_tokens", "max_tokens":
@@ -78,13 +84,10 @@ class ReasoningItem(BaseModel):
 InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 
 
-class FunctionTool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class FunctionTool(FunctionDefinition):
+    """A function tool: Responses spells chat's ``function`` fields at the top level."""
+
     type: Literal["function"]
-    name: FunctionName
-    description: Text | None = None
-    parameters: dict[str, Any] | None = None
-    strict: StrictBool | None = None
 
 
 class NamedFunction(BaseModel):
