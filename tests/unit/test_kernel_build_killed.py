@@ -74,5 +74,5 @@ def test_a_start_killed_while_compiling_does_not_stop_the_next(tmp_path) -> None
     assert second.returncode == 0, second.stderr[-2000:]
     assert "answer 42" in second.stdout
     assert "compiling the native CPU kernels" in second.stderr
-    assert took < 2 * normal + 10, f"{took:.1f} s against {normal:.1f} s on a clean cache"
+    assert took < 3 * normal + 30, f"{took:.1f} s against {normal:.1f} s on a clean cache"
     assert (root / f"{NAME}.so").exists()

@@ -164,10 +164,6 @@ class EngineCore:
         """``abort_requests`` for every request the core holds."""
         self.abort_requests(list(self.scheduler.requests), reason)
 
-    def scheduler_stats(self) -> SchedulerStats:
-        """The scheduler's gauges now."""
-        return self.scheduler.make_stats()
-
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending)
 

@@ -59,6 +59,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.kv_cache.block_pool import KVBlock
 from tokenmill.core.kv_cache.manager import KVCacheManager
 from tokenmill.core.records import FinishReason, RequestEventType, SchedulerStats
 from tokenmill.core.request import Request, RequestStatus
@@ -181,7 +182,7 @@ class Scheduler:
         if head is None:
             return
         while self.running and _rank(self.running[-1]) > _rank(head):
-            cached = self.kv.find_cached_blocks(head)
+            cached = self._usable_cached_blocks(head)
             num_new = head.num_tokens - len(cached) * self.kv.block_size
             if self.enable_chunked_prefill:
                 num_new = min(num_new, self.max_num_batched_tokens)
@@ -189,6 +190,13 @@ class Scheduler:
                     and self.kv.can_allocate(head, num_new, cached)):
                 return
             self._preempt(self.running.pop())
+
+    def _usable_cached_blocks(self, request: Request) -> list[KVBlock]:
+        """The prefix-cache blocks ``request`` may start from: none for a pooling that
+        reads every position (mean, CLS), whose rows must all be computed."""
+        if request.pooling is not None and request.pooling.needs_every_token:
+            return []
+        return self.kv.find_cached_blocks(request)
 
     def _propose_drafts(self, request: Request, budget: int) -> tuple[int, ...]:
         """Drafts for a request about to sample, no more than its budget, ``max_tokens``
@@ -216,9 +224,7 @@ class Scheduler:
                 continue
             if request.group_id in self._prefilling_groups and self.kv.enable_prefix_caching:
                 break  # NOTE: wait for a sibling's prompt blocks to land in the prefix cache
-            cached = self.kv.find_cached_blocks(request)
-            if request.pooling is not None and request.pooling.needs_every_token:
-                cached = []
+            cached = self._usable_cached_blocks(request)
             num_cached = len(cached) * self.kv.block_size
             num_new = request.num_tokens - num_cached
             if num_new > budget:
