@@ -35,15 +35,16 @@ class InputProcessor:
         return Vocabulary(self.tokenizer.backend.to_str(), self.model_vocab_size,
                           tuple(sorted(self.tokenizer.eos_token_ids)))
 
-    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a text prompt, or a token-id prompt checked against the vocabulary."""
+    def tokenize(self, prompt: str | Sequence[int], param: str = "prompt") -> list[int]:
+        """Token ids of a text prompt, or a token-id prompt checked against the vocabulary;
+        an empty one is an error naming ``param``."""
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidParameterError("prompt must not be empty", "prompt")
+                raise InvalidParameterError(f"{param} must not be empty", param)
             return self.tokenizer.encode(prompt)
-        ids = self.check_token_ids(prompt, "prompt")
+        ids = self.check_token_ids(prompt, param)
         if not ids:
-            raise InvalidParameterError("prompt must not be empty", "prompt")
+            raise InvalidParameterError(f"{param} must not be empty", param)
         return ids
 
     def check_token_ids(self, token_ids: Sequence[int], param: str) -> list[int]:

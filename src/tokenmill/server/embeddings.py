@@ -60,10 +60,10 @@ class EmbeddingServing:
                 "its hidden states", "dimensions")
         inputs = body.inputs()
         serving.server_config.limits.check_num_prompts(len(inputs))
-        prompt_ids = [self._tokenize(x) for x in inputs]
+        processor = serving.processor
+        prompt_ids = [processor.tokenize(x, "input") for x in inputs]
         pooling = (self.pooling if body.normalize is None
                    else replace(self.pooling, normalize=body.normalize))
-        processor = serving.processor
         processor.check_priority(body.priority)
         engine_id = uuid.uuid4().hex
         core_requests = [replace(processor.make_pooling_request(f"{engine_id}-e{i}", ids, pooling),
@@ -71,15 +71,6 @@ class EmbeddingServing:
                          for i, ids in enumerate(prompt_ids)]
         stream = serving.engine.add_request(core_requests, time.monotonic(), request_id)
         return await respond_json(stream, self._collect(stream, body, prompt_ids), receive)
-
-    def _tokenize(self, given: str | list[int]) -> list[int]:
-        if isinstance(given, str):
-            if not given:
-                raise InvalidParameterError("input must not contain an empty string", "input")
-            return self.serving.tokenizer.encode(given)
-        if not given:
-            raise InvalidParameterError("input must not contain an empty token list", "input")
-        return self.serving.processor.check_token_ids(given, "input")
 
     async def _collect(self, stream: RequestStream, body: EmbeddingRequest,
                        prompt_ids: list[list[int]]) -> dict:
