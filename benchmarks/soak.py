@@ -1,11 +1,12 @@
 """Soak: minutes of mixed, hostile load against a real ``tokenmill serve``, then an audit.
 
 Workers send, until ``--duration`` runs out: streams and non-streaming requests with
-``n`` of 1 to 3, token-id prompts long enough (with the small ``--num-kv-blocks``) to
-force preemption, requests the client abandons midway (streams after a few chunks,
-non-streaming ones after a random wait), and bad requests interleaved. Every request
-asks for ``ignore_eos`` and ``logprobs: 0``, so each token carries a logprob entry the
-client counts independently of ``usage``.
+``n`` of 1 to 3 and ``--min-output`` to ``--output`` tokens per choice, token-id prompts
+of ``--min-prompt`` to ``--prompt`` tokens, long enough (with the small
+``--num-kv-blocks``) to force preemption, requests the client abandons midway (streams
+after a few chunks, non-streaming ones after a random wait), and bad requests
+interleaved. Every request asks for ``ignore_eos`` and ``logprobs: 0``, so each token
+carries a logprob entry the client counts independently of ``usage``.
 
 The audit, once the server is idle:
 
@@ -25,14 +26,19 @@ The audit, once the server is idle:
   that one sample caught mid-step (a long prefill's transient buffers) decides nothing.
   The warm-up lasts ``--warmup`` seconds and at least ``--warmup-requests`` requests, so
   that a slow host has also met the load's shapes (prompt lengths, batch sizes, ``n``,
-  preemptions) before the baseline; ``--duration`` seconds of load follow it.
+  preemptions) before the baseline; ``--duration`` seconds of load follow it. The
+  report also gives each process's own readings (``http``: the server, ``engine``: its
+  child processes), taken the same way.
 
 Prints a table and writes JSON (``passed`` says whether every check held; ``rss_mib``
-has the samples); exit status 1 if any failed. Usage::
+has the samples, each as seconds, http and engine MiB); exit status 1 if any failed.
+Usage::
 
     python benchmarks/soak.py [--model PATH] [--duration 1200] [--warmup 60]
                               [--warmup-requests 300] [--rss-window 15]
-                              [--concurrency 8] [--num-kv-blocks 64] [--out FILE]
+                              [--concurrency 8] [--num-kv-blocks 64] [--max-model-len 512]
+                              [--min-prompt 16] [--prompt 300] [--min-output 1]
+                              [--output 48] [--out FILE]
 """
 
 from __future__ import annotations
@@ -222,11 +228,12 @@ async def worker(base_url: str, seed: int, stop: asyncio.Event, args, tally: Tal
             if kind < 0.1:
                 await bad_request(client, rng, tally)
                 continue
-            prompt = [rng.randrange(10, args.vocab) for _ in range(rng.randint(16, args.prompt))]
+            length = rng.randint(args.min_prompt, args.prompt)
+            prompt = [rng.randrange(10, args.vocab) for _ in range(length)]
             aborting = rng.random() < 0.15
             room = args.max_model_len - len(prompt)
             body = {"prompt": prompt, "n": 1 if aborting else rng.choice((1, 1, 2, 3)),
-                    "max_tokens": room if aborting else rng.randint(1, args.output),
+                    "max_tokens": room if aborting else rng.randint(args.min_output, args.output),
                     "ignore_eos": True, "logprobs": 0, "temperature": rng.choice((0.0, 0.8))}
             if kind < 0.6:
                 body["stream"] = True
@@ -259,14 +266,15 @@ def wait_idle(base_url: str, timeout: float = 120.0) -> dict[str, float]:
         time.sleep(0.2)
 
 
-def rss_bytes(pid: int) -> int:
-    """Resident memory of ``pid`` and its child processes (the engine process among them)."""
-    total = 0
-    for member in (pid, *child_pids(pid)):
-        with open(f"/proc/{member}/status") as f:
-            total += next(int(line.split()[1]) * 1024 for line in f
-                          if line.startswith("VmRSS:"))
-    return total
+def rss_bytes(pid: int) -> tuple[int, int]:
+    """Resident memory of ``pid`` (the HTTP server) and of its child processes together
+    (the engine process among them)."""
+    return process_rss(pid), sum(process_rss(child) for child in child_pids(pid))
+
+
+def process_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def child_pids(pid: int) -> list[int]:
@@ -276,21 +284,25 @@ def child_pids(pid: int) -> list[int]:
 
 @dataclass
 class RssTrace:
-    """The server's RSS once a second, as (seconds into the load, bytes), and when the
-    warm-up ended."""
+    """The server's RSS once a second, as (seconds into the load, (http bytes, engine
+    bytes)), and when the warm-up ended. A reading's ``part`` picks what it sums: ``None``
+    both processes, 0 the http one, 1 the engine."""
 
-    samples: list[tuple[float, int]] = field(default_factory=list)
+    samples: list[tuple[float, tuple[int, int]]] = field(default_factory=list)
     warm: float = 0.0
 
-    def after_warmup(self, window: float) -> int:
+    def after_warmup(self, window: float, part: int | None = None) -> int:
         """Median of the samples in the ``window`` seconds after the warm-up."""
-        return int(statistics.median(v for t, v in self.samples
-                                     if self.warm <= t < self.warm + window))
+        return self._median(part, lambda t: self.warm <= t < self.warm + window)
 
-    def at_end(self, window: float) -> int:
+    def at_end(self, window: float, part: int | None = None) -> int:
         """Median of the samples in the last ``window`` seconds."""
         end = self.samples[-1][0]
-        return int(statistics.median(v for t, v in self.samples if t > end - window))
+        return self._median(part, lambda t: t > end - window)
+
+    def _median(self, part: int | None, within) -> int:
+        return int(statistics.median(sum(v) if part is None else v[part]
+                                     for t, v in self.samples if within(t)))
 
 
 def audit(tally: Tally, m: dict[str, float], rss_warm: int, rss_end: int) -> dict[str, bool]:
@@ -339,6 +351,12 @@ async def drive(base_url: str, pid: int, args) -> tuple[Tally, RssTrace]:
     return tally, trace
 
 
+def rss_reading(warm: int, end: int) -> dict[str, float]:
+    """Two RSS medians in MiB and the growth between them in %."""
+    return {"after_warmup": round(warm / 2**20, 1), "end": round(end / 2**20, 1),
+            "growth_pct": round(100 * (end / warm - 1), 2)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
@@ -354,12 +372,20 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--num-kv-blocks", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--min-prompt", type=int, default=16,
+                        help="shortest prompt (tokens)")
     parser.add_argument("--prompt", type=int, default=300, help="longest prompt (tokens)")
+    parser.add_argument("--min-output", type=int, default=1,
+                        help="fewest tokens per finished choice")
     parser.add_argument("--output", type=int, default=48, help="most tokens per choice")
     parser.add_argument("--vocab", type=int, default=250, help="prompt token ids below this")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.path.join("benchmarks", "results", "soak.json"))
     args = parser.parse_args()
+    if not 1 <= args.min_prompt <= args.prompt < args.max_model_len:
+        parser.error("need 1 <= --min-prompt <= --prompt < --max-model-len")
+    if not 1 <= args.min_output <= args.output:
+        parser.error("need 1 <= --min-output <= --output")
 
     port = free_port()
     command = [sys.executable, "-m", "tokenmill.cli", "--log-level", "info", "serve",
@@ -390,11 +416,13 @@ def main() -> int:
             "tokenmill_num_preemptions_total",
             "tokenmill_request_success_total{finished_reason=length}",
             "tokenmill_request_success_total{finished_reason=abort}")},
-        "rss_mib": {"after_warmup": round(rss_warm / 2**20, 1),
-                    "end": round(rss_end / 2**20, 1),
-                    "growth_pct": round(100 * (rss_end / rss_warm - 1), 2),
+        "rss_mib": {**rss_reading(rss_warm, rss_end),
+                    **{name: rss_reading(trace.after_warmup(args.rss_window, part),
+                                         trace.at_end(args.rss_window, part))
+                       for part, name in enumerate(("http", "engine"))},
                     "warmup_s": round(trace.warm, 1),
-                    "samples": [(round(t, 1), round(v / 2**20, 1)) for t, v in trace.samples]},
+                    "samples": [(round(t, 1), *(round(b / 2**20, 1) for b in v))
+                                for t, v in trace.samples]},
         "checks": checks, "passed": all(checks.values()),
     }
     table = Table(title=f"soak: {elapsed:.0f} s, {tally.requests} requests "
@@ -409,6 +437,9 @@ def main() -> int:
     console.print(f"RSS {rss['after_warmup']} -> {rss['end']} MiB ({rss['growth_pct']:+}%, "
                   f"warm-up {rss['warmup_s']} s); preemptions "
                   f"{metrics['tokenmill_num_preemptions_total']:.0f}")
+    for name in ("http", "engine"):
+        console.print(f"  {name}: {rss[name]['after_warmup']} -> {rss[name]['end']} MiB "
+                      f"({rss[name]['growth_pct']:+}%)")
     for error in tally.errors:
         console.print(f"[red]{error}[/red]")
     write_report(report, args.out)
