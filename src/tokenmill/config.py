@@ -20,7 +20,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from tokenmill.errors import InvalidParameterError
-from tokenmill.quantization_names import QUANTIZATION_CHOICES
+from tokenmill.quantization_names import QUANTIZATION_OPTIONS
 from tokenmill.sampling_params import POOLING_KINDS, SamplingParams, StructuredOutput
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -78,15 +78,17 @@ class EngineConfig:
     dtype: str = option("auto", "auto (bfloat16 where the CPU or GPU computes it natively, "
                         "else float32), float32, bfloat16 or float16", choices=DTYPE_CHOICES)
     quantization: str = option(
-        "none", "none; int8 or int4 (GGUF Q4_1's layout): quantized weights, activations in "
-        "the dtype; w4a8, w8a8: int4 or int8 weights times activations quantized to int8 "
-        "(CPU; w8a8 and bfloat16 w4a8 need AVX512-VNNI); gguf: a GGUF file's "
-        "own blocks, exactly: Q8_0, Q5_0 in the int8 kernel with a scale per 32 inputs, "
-        "Q6_K, Q3_K with one per 16; Q4_0, Q4_1, Q4_K in the int4 kernel as one 4-bit plane, "
-        "Q5_1, Q5_K as two; Q2_K and float types in the dtype (CPU); gguf-llama-cpp: a GGUF "
-        "file's values in float32 times activations rounded as llama.cpp's CPU backend "
-        "rounds them (8 bits per block of 32 or 256 by weight type), to compare with it",
-        choices=QUANTIZATION_CHOICES)
+        "auto", "auto (gguf for a GGUF file holding quantized weights, where this host runs "
+        "it; none otherwise); none; int8 or int4 (GGUF Q4_1's layout): quantized weights, "
+        "activations in the dtype; w4a8, w8a8: int4 or int8 weights times activations "
+        "quantized to int8 (CPU; w8a8 and bfloat16 w4a8 need AVX512-VNNI); gguf: a GGUF "
+        "file's own blocks, exactly (docs/gguf.md: Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 times "
+        "activations quantized to int8 where the CPU has AVX512-VNNI, else in the int8 and "
+        "int4 kernels with activations in the dtype; Q2_K and float types in the dtype; "
+        "CPU); gguf-llama-cpp: a GGUF file's values in float32 times activations rounded as "
+        "llama.cpp's CPU backend rounds them (8 bits per block of 32 or 256 by weight "
+        "type), to compare with it",
+        choices=QUANTIZATION_OPTIONS)
     device: str = option("auto", "auto (CUDA when present), cpu or cuda[:N]")
     num_threads: int | None = option(
         None, "the engine's compute threads, fixed (default: one per CPU it may use, fewer "
@@ -144,7 +146,7 @@ class EngineConfig:
                      "max_num_queued_requests", "max_num_queued_tokens"):
             _positive(name, getattr(self, name), allow_none=True)
         _one_of("dtype", self.dtype, DTYPE_CHOICES)
-        _one_of("quantization", self.quantization, QUANTIZATION_CHOICES)
+        _one_of("quantization", self.quantization, QUANTIZATION_OPTIONS)
         _one_of("kernels", self.kernels, KERNEL_CHOICES)
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES)
         _one_of("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)

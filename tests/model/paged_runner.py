@@ -24,7 +24,7 @@ class PagedRunner:
     def __init__(self, model, num_blocks: int = 96, block_size: int = 4, seed: int = 0,
                  kv_int8: bool = False):
         gen = torch.Generator().manual_seed(seed)
-        dtype = model.model.embed_tokens.weight.dtype
+        dtype = model.dtype
         shape = model.kv_cache_shape(num_blocks, block_size)
         self.kv_caches = [
             (torch.randn(shape, generator=gen) * 100).to(dtype)

@@ -10,6 +10,8 @@ import os
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
+from gguf_writer import write_gguf
 from paged_runner import PagedRunner
 from safetensors.torch import load_file
 
@@ -36,6 +38,7 @@ from tokenmill.models.weights.quantizations import (
     check_source,
     choose_weight_format,
     resolve_dtype,
+    resolve_quantization,
 )
 from tokenmill.models.weights.torch_weights import (
     Int4Weight,
@@ -43,7 +46,7 @@ from tokenmill.models.weights.torch_weights import (
     OneDNNWeight,
     onednn_supports,
 )
-from tokenmill.quantization_names import QUANTIZATION_CHOICES
+from tokenmill.quantization_names import QUANTIZATION_CHOICES, QUANTIZATION_OPTIONS
 from tokenmill.tokenizer.tokenizer import load_tokenizer
 
 CPU = torch.device("cpu")
@@ -318,13 +321,33 @@ def test_quantized_perplexity_of_smollm2_within_two_percent(native):
 
 
 def test_the_table_of_quantizations_decides_the_options_choices():
-    """``--quantization`` offers the table's rows, in order; a row of a GGUF file's own
-    blocks refuses a folder, naming the rows that take one."""
+    """``--quantization`` offers ``auto`` and the table's rows, in order; a row of a GGUF
+    file's own blocks refuses a folder, naming the rows that take one."""
     assert tuple(QUANTIZATIONS) == QUANTIZATION_CHOICES
     choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(EngineConfig)}
-    assert choices["quantization"] == QUANTIZATION_CHOICES
+    assert choices["quantization"] == QUANTIZATION_OPTIONS
     for row in QUANTIZATIONS.values():
         if row.file_blocks:
             with pytest.raises(InvalidParameterError, match="none, int8, int4, w4a8 or w8a8"):
                 check_source(row.name, "folder", is_folder=True)
         check_source(row.name, "model.gguf", is_folder=False)
+
+
+def test_auto_quantization_computes_a_quantized_gguf_file_on_its_blocks(tmp_path, native,
+                                                                        tiny_model_dir):
+    """``--quantization auto`` (the default) is ``gguf`` for a GGUF file storing quantized
+    matrices where the host runs it, and ``none`` for a float GGUF file and a folder, and
+    under ``batch_invariant``; a named quantization is itself."""
+    device, kernels = CPU, native
+    hf_dir = tiny_model_dir("llama")
+    quantized, float16 = str(tmp_path / "q.gguf"), str(tmp_path / "f16.gguf")
+    write_gguf(hf_dir, quantized, Q.Q8_0)
+    write_gguf(hf_dir, float16, Q.F16)
+    runs = GGUFFormat.supports(resolve_dtype("auto", device, "gguf"), kernels)
+    assert resolve_quantization("auto", quantized, "auto", device, kernels) == (
+        "gguf" if runs else "none")
+    assert resolve_quantization("auto", float16, "auto", device, kernels) == "none"
+    assert resolve_quantization("auto", str(hf_dir), "auto", device, kernels) == "none"
+    assert resolve_quantization("auto", quantized, "auto", device, kernels,
+                                batch_invariant=True) == "none"
+    assert resolve_quantization("int8", quantized, "auto", device, kernels) == "int8"

@@ -18,7 +18,7 @@ SRC = pathlib.Path(tokenmill.__file__).parent
 # Lowest first; a module may import its own layer and those below it.
 LAYERS = [
     {"errors", "sampling_params", "config", "options", "quantization_names",
-     "model_source", "model_hub"},
+     "model_source", "model_hub", "resident_memory"},
     {"structured"},
     {"core"},
     {"hardware", "kernels", "models"},

@@ -8,25 +8,15 @@ crosses the engine pipe and nothing runs on the engine's step. A process whose
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from tokenmill.resident_memory import resident_bytes
+
 NAME = "tokenmill_process_resident_memory_bytes"
 DOC = "Resident memory (RSS) of the server's processes, by process: http or engine."
-PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-
-
-def resident_bytes(pid: int) -> int | None:
-    """``pid``'s resident set size in bytes (``/proc/<pid>/statm``'s second field, in pages),
-    or None when it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * PAGE_SIZE
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 class ProcessMemoryCollector(Collector):

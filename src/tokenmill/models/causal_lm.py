@@ -29,7 +29,8 @@ from tokenmill.models.attention.metadata import AttentionMetadata
 from tokenmill.models.attention.native import NativeAttention
 from tokenmill.models.attention.sdpa import SdpaAttention
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.gguf.blocks import FileRows
+from tokenmill.models.gguf.blocks import DENSE_TYPES, FileRows
+from tokenmill.models.gguf.embedding import FileRowsEmbedding
 from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.ops import layer_ops
 from tokenmill.models.weights.formats import PackedWeight, WeightFormat
@@ -62,6 +63,7 @@ class PagedCausalLM(nn.Module):
                  weight_format: WeightFormat | None = None):
         super().__init__()
         self.config = config
+        self.dtype = dtype
         self.kernels = kernels
         self.layer_attentions = self.attention_backends(config, dtype, kernels)
         self.attentions: list[AttentionBackend] = []  # distinct, planned once per forward
@@ -151,10 +153,13 @@ class PagedCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack()
         if self.lm_head is None and self.weight_format is not None:
-            head, embedding = self.weight_format.head, self.model.embed_tokens.weight.data
-            rows = self._tied_head_rows
-            self.packed_tied_head = (head.pack(embedding, None) if rows is None
-                                     else head.pack_rows(embedding, None, [rows]))
+            head, rows = self.weight_format.head, self._tied_head_rows
+            if rows is None:
+                self.packed_tied_head = head.pack(self.model.embed_tokens.weight.data, None)
+            else:  # the values for the shape and dtype alone where the head reads the rows
+                embedding = (self.model.embed_tokens.weight.data if not head.reads_file_rows
+                             else torch.empty((), dtype=self.dtype).expand(rows.shape))
+                self.packed_tied_head = head.pack_rows(embedding, None, [rows])
             self._tied_head_rows = None
 
     def convert_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -166,7 +171,10 @@ class PagedCausalLM(nn.Module):
         """Copy Hugging Face-named tensors into the parameters (cast to their dtype/device).
         A GGUF file's rows (``FileRows``) are dequantized into the parameter, and a
         projection (``Linear``), or the embedding of a tied output head, also keeps them,
-        for its weight format.
+        for its weight format; where that format reads the rows alone
+        (``WeightFormat.reads_file_rows``), a projection's parameter is left unwritten
+        (never resident) and a quantized embedding looks tokens up in the rows
+        (``FileRowsEmbedding``), so no dequantized copy of the file is made.
 
         Raises ``ModelLoadError`` on an unknown name, a shape mismatch, or when some
         parameter (or shard of a fused one) received no tensor.
@@ -194,8 +202,19 @@ class PagedCausalLM(nn.Module):
                 module = modules[target.rsplit(".", 1)[0]]
                 if isinstance(module, Linear):
                     module.keep_file_rows(lo, tensor)
-                elif module is self.model.embed_tokens and self.lm_head is None:
-                    self._tied_head_rows = tensor
+                    if module.weight_format is not None and module.weight_format.reads_file_rows:
+                        seen.add(name)  # packed from the rows alone: nothing to write
+                        if module.has_all_file_rows() and module.bias is None:
+                            module.pack()  # now, so that the rows are let go of early
+                        continue
+                elif module is self.model.embed_tokens:
+                    if self.lm_head is None:
+                        self._tied_head_rows = tensor
+                    if self._embeds_file_rows(tensor):
+                        self.model.embed_tokens = FileRowsEmbedding(tensor, dst.dtype,
+                                                                    dst.device)
+                        seen.add(name)
+                        continue
                 tensor = tensor.dequantize()
             dst.copy_(self.convert_weight(name, tensor))
             seen.add(name)
@@ -203,6 +222,14 @@ class PagedCausalLM(nn.Module):
         if missing:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise ModelLoadError(f"missing weights: {', '.join(missing[:3])}{more}")
+
+    def _embeds_file_rows(self, rows: FileRows) -> bool:
+        """Whether the embedding looks tokens up in the file's ``rows`` themselves
+        (``FileRowsEmbedding``): a quantized type, on the CPU, under a weight format that
+        computes on the file's rows."""
+        return (self.weight_format is not None and self.weight_format.reads_file_rows
+                and rows.qtype not in DENSE_TYPES
+                and self.model.embed_tokens.weight.device.type == "cpu")
 
     def _shard(self, fused: str, rows: int, shard: int) -> tuple[int, int]:
         """The rows of shard ``shard`` of the fused projection ``fused`` (``rows`` rows):

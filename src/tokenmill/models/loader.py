@@ -33,6 +33,7 @@ from tokenmill.models.weights.quantizations import (
     check_source,
     choose_weight_format,
 )
+from tokenmill.resident_memory import return_freed_heap
 
 
 def load_model(
@@ -63,6 +64,8 @@ def load_model(
     model.load_weights(weights)
     model.requires_grad_(False)
     model.pack()
+    del weights  # the file's reader: its mapping, and the rows read through it
+    return_freed_heap()  # the intermediate copies loading and packing freed
     return model.eval(), config
 
 

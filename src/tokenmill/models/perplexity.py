@@ -27,8 +27,8 @@ def next_token_logprobs(model: torch.nn.Module, token_ids: list[int],
     each later one in a decode step of its own (its own attention kernel: the decode's)."""
     if len(token_ids) < 2:
         raise ValueError("perplexity needs at least two tokens")
-    device = model.model.embed_tokens.weight.device
-    dtype = model.model.embed_tokens.weight.dtype
+    device = model.model.norm.weight.device
+    dtype = model.dtype
     n = len(token_ids)
     num_blocks = -(-n // BLOCK_SIZE)
     shape = model.kv_cache_shape(num_blocks, BLOCK_SIZE, kv_int8)

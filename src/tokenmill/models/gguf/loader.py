@@ -32,7 +32,7 @@ from gguf.quants import dequantize
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.gguf.blocks import SUPPORTED_TYPES, FileRows
+from tokenmill.models.gguf.blocks import DENSE_TYPES, SUPPORTED_TYPES, FileRows
 from tokenmill.models.layers.experts import check_expert_weight
 from tokenmill.models.registry import GGUF_FAMILIES
 
@@ -107,6 +107,20 @@ def open_gguf(path: str, keep_blocks: bool = False
     return config, _weights(path, entries, config, keep_blocks)
 
 
+def holds_quantized_matrices(path: str) -> bool:
+    """Whether ``path`` is a GGUF file storing some matrix in a quantized type (not F32,
+    F16 or BF16); False for anything else, a folder or a file it cannot read included
+    (loading it says why)."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != GGUF_MAGIC:
+                return False
+        tensors = GGUFReader(path, "r").tensors
+    except (ValueError, IndexError, OSError, UnicodeDecodeError):
+        return False
+    return any(len(t.shape) >= 2 and t.tensor_type not in DENSE_TYPES for t in tensors)
+
+
 def _check_experts(shapes: dict[str, tuple[int, ...]], config: ModelConfig) -> None:
     """Raises ``ModelLoadError`` naming what disagrees where a 3-D expert tensor or a router
     does not fit the config's experts (``layers.experts.check_expert_weight``)."""
@@ -142,9 +156,19 @@ def _torch_shape(t: ReaderTensor) -> tuple[int, ...]:
     return tuple(int(n) for n in reversed(t.shape.tolist()))
 
 
-def _file_rows(t: ReaderTensor) -> FileRows:
+def _file_rows(path: str, t: ReaderTensor) -> FileRows:
     rows, cols = _torch_shape(t)
-    return FileRows(t.tensor_type, t.data.view(np.uint8).reshape(rows, -1), cols)
+    return FileRows(t.tensor_type, _read_bytes(path, t).reshape(rows, -1), cols)
+
+
+def _read_bytes(path: str, t: ReaderTensor) -> np.ndarray:
+    """``t``'s bytes, read into this process's memory: not a view of the reader's mapping
+    of the file, whose pages, once read, would stay resident as long as the mapping does
+    (the whole file, while a weight format keeps a few tensors' rows)."""
+    data = np.fromfile(path, dtype=np.uint8, count=t.n_bytes, offset=t.data_offset)
+    if data.size != t.n_bytes:
+        raise ValueError(f"{t.n_bytes} bytes expected, the file ends after {data.size}")
+    return data
 
 
 def _dequantized(t: ReaderTensor) -> torch.Tensor:
@@ -169,7 +193,7 @@ def _weights(
             continue
         try:
             if keep_blocks and len(t.shape) == 2:
-                weight = _file_rows(t)
+                weight = _file_rows(path, t)
                 if permute and kind in heads:
                     rows = torch.arange(weight.shape[0])
                     weight = weight.take(_unpermute_heads(rows, heads[kind]))
@@ -191,7 +215,11 @@ def _experts(path: str, layer: str, kind: str, t: ReaderTensor,
     """Each expert's matrix of the 3-D tensor ``t``: its ``FileRows`` where ``keep_blocks``,
     else float32."""
     experts, rows, cols = _torch_shape(t)
-    data = t.data.view(np.uint8).reshape(experts * rows, -1)
+    try:
+        data = (_read_bytes(path, t) if keep_blocks else t.data.view(np.uint8)).reshape(
+            experts * rows, -1)
+    except ValueError as e:
+        raise ModelLoadError(f"corrupt tensor {t.name!r} in {path}: {e}") from None
     for expert in range(experts):
         weight = FileRows(t.tensor_type, data[expert * rows:(expert + 1) * rows], cols)
         if not keep_blocks:

@@ -52,6 +52,10 @@ class Linear(nn.Module):
         """Record that weight rows ``first_row ..`` were read from ``rows`` (for ``pack``)."""
         self.file_rows[first_row] = rows
 
+    def has_all_file_rows(self) -> bool:
+        """Whether the rows kept (``keep_file_rows``) make up the whole weight."""
+        return sum(r.shape[0] for r in self.file_rows.values()) == self.weight.shape[0]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return self.packed(x)
@@ -64,12 +68,13 @@ class Linear(nn.Module):
         return residual + F.linear(x, self.weight, self.bias)
 
     def pack(self) -> None:
-        """Convert the loaded weight into ``weight_format``; call once, after loading."""
-        if self.weight_format is None:
+        """Convert the loaded weight into ``weight_format``, once, after loading (a second
+        call does nothing)."""
+        if self.weight_format is None or self.packed is not None:
             return
         bias = None if self.bias is None else self.bias.data
-        rows = [self.file_rows[first] for first in sorted(self.file_rows)]
-        if sum(r.shape[0] for r in rows) == self.weight.shape[0]:
+        if self.has_all_file_rows():
+            rows = [self.file_rows[first] for first in sorted(self.file_rows)]
             self.packed = self.weight_format.pack_rows(self.weight.data, bias, rows)
         else:
             self.packed = self.weight_format.pack(self.weight.data, bias)
@@ -98,6 +103,8 @@ class GatedLinear(Linear):
         return self.act_and_mul(super().forward(x))
 
     def pack(self) -> None:
+        if self.packed is not None:
+            return
         gated = (self.weight_format.pack_silu_gated(self.weight.data)
                  if self._silu and self.weight_format is not None else None)
         if gated is None:

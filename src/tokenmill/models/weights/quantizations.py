@@ -6,6 +6,8 @@ This is the only place a quantization is decided:
 
 - ``choose_weight_format(dtype, device, quantization, kernels)``: the format every
   projection takes (the row's first format this host runs), or the refusal;
+- ``resolve_quantization(name, path, ...)``: the row ``--quantization`` takes for a model
+  (``auto``: ``gguf`` for a GGUF file of quantized weights where it runs, else ``none``);
 - ``resolve_dtype(name, device, quantization)``: ``--dtype`` for the row (``auto``: the
   row's own dtype where it has one, else the device's, ``hardware.device_dtype``);
 - ``check_source(quantization, path)``: whether a model folder or file can give the row
@@ -22,6 +24,7 @@ takes them alone, and raises where the host has none for the dtype.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +33,7 @@ import torch
 from tokenmill.errors import InvalidParameterError
 from tokenmill.hardware import cpu_has_avx512_vnni, device_dtype
 from tokenmill.kernels import NativeKernels
+from tokenmill.models.gguf.loader import holds_quantized_matrices
 from tokenmill.models.weights.formats import (
     GGUFFormat,
     Int4Format,
@@ -119,6 +123,23 @@ def resolve_dtype(name: str, device: torch.device, quantization: str = "none") -
         if own is not None:
             return own
     return device_dtype(name, device)
+
+
+def resolve_quantization(name: str, path: str, dtype_name: str, device: torch.device,
+                         kernels: NativeKernels | None, batch_invariant: bool = False) -> str:
+    """The table's row ``--quantization name`` takes for the model at ``path``: ``auto`` is
+    ``gguf`` for a GGUF file storing quantized matrices where that row runs here (the CPU,
+    with the native linear kernels of ``--dtype dtype_name``'s dtype: the file's own blocks,
+    with no dequantized copy), and ``none`` elsewhere (a folder, a float GGUF file,
+    another device, ``batch_invariant``, which takes native formats alone); any other
+    name is that row."""
+    if name != "auto":
+        return name
+    if (batch_invariant or device.type != "cpu" or os.path.isdir(path)
+            or not holds_quantized_matrices(path)):
+        return "none"
+    dtype = resolve_dtype(dtype_name, device, "gguf")
+    return "gguf" if GGUFFormat.supports(dtype, kernels) else "none"
 
 
 def check_source(quantization: str, path: str, is_folder: bool) -> None:
