@@ -36,6 +36,14 @@ def runs_here(quantization: str, dtype: torch.dtype, capabilities: KernelCapabil
     raise ValueError(f"no host check for quantization {quantization!r}")
 
 
+def gguf_integer_here(capabilities: KernelCapabilities | None) -> bool:
+    """Whether ``--quantization gguf`` computes a file's Q4_0, Q4_1, Q4_K, Q6_K and Q8_0
+    rows on their blocks times activations quantized to int8 (the VNNI kernels; bfloat16
+    or float32 activations alike): with AVX512-VNNI. Elsewhere the rows take the weight-only
+    int8 and int4 kernels."""
+    return capabilities is not None and capabilities.vnni_linear
+
+
 def batch_invariant_here(dtype: torch.dtype, capabilities: KernelCapabilities | None,
                          device: torch.device = CPU) -> bool:
     """Whether ``batch_invariant`` (native linear kernels only) runs in ``dtype`` on

@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType
 from gguf_writer import write_gguf
 from paged_runner import PagedRunner
 
-from quantization_hosts import runs_here
+from quantization_hosts import gguf_integer_here, runs_here
 from tiny_model import make_tiny_model_dir
 from tokenmill.kernels import KernelUnavailableError
 from tokenmill.kernels.native import split_rows_per_thread
@@ -35,6 +35,9 @@ QUANTIZATIONS = ("none", "int8", "int4", "w4a8", "w8a8")
 # does not: see test_qk_norm_takes_the_modules)
 FAMILIES = ("llama", "qwen2", "mistral", "phi3")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# the weight classes a GGUF file of each type takes on a VNNI host
+INTEGER_KINDS = {"Q8_0": {"NativeVnniQ8_0Weight"}, "Q4_1": {"NativeVnniW4A8Weight"},
+                 "Q4_K": {"NativeVnniQ4KWeight", "NativeVnniQ6KWeight"}}
 
 
 def load(model_dir: str, quantization: str, kernels, dtype: torch.dtype | None = None):
@@ -180,17 +183,33 @@ def test_one_native_call_equals_the_layer_modules(tiny_model_dir, native, varian
         assert torch.equal(ours, theirs)
 
 
-# a GGUF file's own blocks (--quantization gguf) on the native int8 kernel (Q8_0: a
-# scale per 32 inputs) and int4 kernel (Q4_1: one 4-bit plane)
+# a GGUF file's own blocks (--quantization gguf): Q8_0 (a scale per 32 inputs) and Q4_1
+# (one 4-bit plane), and a Q4_K_M-like mix (Q4_K, Q6_K for a down projection and the
+# untied head; a fused qkv of two types would be split, which the fused call does not
+# take), on the integer kernels of a VNNI host (quantization_hosts.gguf_integer_here),
+# else the weight-only int8 and int4 ones
+Q4_K_M = {"blk.1.ffn_down.weight": GGMLQuantizationType.Q6_K,
+          "output.weight": GGMLQuantizationType.Q6_K}
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q4_K"])
 def test_one_native_call_on_a_gguf_files_blocks_equals_the_layer_modules(
         tiny_model_dir, tmp_path, native, dtype, qtype):
     if not native.capabilities.linear(DTYPES[dtype]):
         pytest.skip(f"this CPU has no native linear kernels for {dtype}: no gguf")
     path = str(tmp_path / "m.gguf")
-    write_gguf(tiny_model_dir("llama"), path, GGMLQuantizationType[qtype])
+    if qtype == "Q4_K":  # K-quants: rows of whole super-blocks of 256
+        hf_dir = make_tiny_model_dir(tmp_path / "hf", "llama", hidden_size=256,
+                                     intermediate_size=512, tie_word_embeddings=False)
+        write_gguf(hf_dir, path, GGMLQuantizationType.Q4_K, overrides=Q4_K_M)
+    else:
+        write_gguf(tiny_model_dir("llama"), path, GGMLQuantizationType[qtype])
     model = load_model(path, DTYPES[dtype], CPU, "gguf", native)[0]
+    if gguf_integer_here(native.capabilities):
+        assert {type(p.packed).__name__ for layer in model.model.layers
+                for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                          layer.mlp.gate_up_proj, layer.mlp.down_proj)} == INTEGER_KINDS[qtype]
     assert model.decode_layers is not None
     native_logits, native_caches = decode_steps(model, native=True)
     module_logits, module_caches = decode_steps(model, native=False)

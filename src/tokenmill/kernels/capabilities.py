@@ -38,7 +38,8 @@ class KernelCapabilities:
     vnni_linear: bool
     """int8 or 4-bit weights times bfloat16 or float32 activations quantized to int8 per
     block of inputs (int8 weights: 64, or 32 where 64 do not divide them; 4-bit: 32),
-    multiplied as integers (AVX512-VNNI)."""
+    multiplied as integers (AVX512-VNNI); the same over a GGUF file's own Q4_K, Q8_0 (per
+    32) and Q6_K (per 16) blocks."""
     prefill_attention_head_dims: frozenset[int]
     """Head sizes of the causal prefill attention kernel, bfloat16 only (AVX512-BF16);
     empty without it."""

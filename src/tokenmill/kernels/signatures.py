@@ -151,6 +151,17 @@ class W8A8Linear(Protocol):
         ...
 
 
+class GGUFBlocksLinear(Protocol):
+    def __call__(self, x: Tensor, packed: Tensor, params: Tensor, out_features: int,
+                 bias: Tensor | None, residual: Tensor | None) -> Tensor:
+        """``FloatLinear`` over a GGUF file's own blocks of one type (Q4_K, Q8_0, Q6_K:
+        ``native_weights.NativeVnniQ4KWeight``'s, ``NativeVnniQ8_0Weight``'s,
+        ``NativeVnniQ6KWeight``'s layouts, ``params`` their block parameters as bytes), with
+        ``x`` quantized to int8 per block of the weights' groups (32; Q6_K: 16) and
+        multiplied as integers."""
+        ...
+
+
 class DecodeLayers(Protocol):
     """A Llama decoder stack bound layer by layer (``decode_layers.cpp``): one call runs a
     step's rows through every layer with the kernels, and the arguments, the layer modules

@@ -7,6 +7,17 @@
 //   vnni_w4a8_linear(x [M, K], packed, group_params, N, bias?, residual?, gated=False)
 //       -> x~ @ (q * scale + min).T (+ bias) (+ residual), q in 0..15, a float16 scale
 //          and minimum per kBlock (32) inputs of an output (GGUF Q4_1's form, in its dtypes)
+//   vnni_q4_k_linear(x, packed, params, N, bias?, residual?, gated=False)
+//       -> w4a8's product with GGUF Q4_K's parameters: per 32 inputs of an output a 6-bit
+//          sc and mn, per super-block of 256 a float16 d and dmin, scale = d * sc and
+//          min = -(dmin * mn), both exact in float32 (11 by 6 significant bits)
+//   vnni_q8_0_linear(x, packed, params, N, bias?, residual?, gated=False)
+//       -> x~ @ (q * d).T (+ bias) (+ residual), q int8, a float16 d per 32 inputs of an
+//          output (GGUF Q8_0)
+//   vnni_q6_k_linear(x, packed, params, N, bias?, residual?, gated=False)
+//       -> x~ @ ((q - 32) * d * sc).T (+ bias) (+ residual), q in 0..63, an int8 sc per 16
+//          inputs of an output and a float16 d per super-block of 256 (GGUF Q6_K; d * sc
+//          exact in float32)
 //
 // x is bfloat16 or float32, and so are bias, residual and the output. With gated=True (no
 // bias or residual, N a multiple of 32) each panel's two halves are 16 gate outputs and the
@@ -14,8 +25,9 @@
 // linear.interleave_gate_up) and the call returns silu(gate) * up [M, N / 2] from the
 // float32 outputs, rounded once. Activations: each
 // row of x is quantized per block of inputs at every call, x~ = d * round(x / d) with d =
-// max|x| / 127 over the block (round to nearest even); a block is 32 inputs for w4a8 (its
-// weights' groups), and for w8a8 64 where K is a multiple of 64 (else 32). Then
+// max|x| / 127 over the block (round to nearest even); a block is 32 inputs for w4a8 and
+// q4_k (their weights' groups), for q8_0 32 and q6_k 16 (theirs), and for w8a8 64 where K
+// is a multiple of 64 (else 32). Then
 //
 //   w8a8: y[m, n] = scale[n] * (sum over blocks b: d[m, b] * sum (q[n, k] + 128) xq[m, k]
 //                               - c[m]),   c[m] = 128 * sum over b: d[m, b] * sum xq[m, k]
@@ -25,28 +37,41 @@
 //         with s and e as w4a8_groups.h defines them: the weights centred on 8, only their
 //         centred part sees x rounded (the embedded model's mean KL divergence from
 //         float32 0.005, against 0.029 for the same blocks uncentred).
+//   q8_0, q6_k: y[m, n] = sum over blocks b: scale[n, b] * (d[m, b] * (sum u[n, k] xq[m, k]
+//                                                                 - o * sum xq[m, k]))
+//         with u = q + o the stored byte (q8_0: o = 128; q6_k: o = 32, u its q), the
+//         difference taken in int32 (exact).
 //
-// VPDPBUSD multiplies unsigned bytes by signed ones: 4-bit weights are unsigned already,
-// int8 weights are stored plus 128 (1..255) and c takes the 128s out again. The integer
+// VPDPBUSD multiplies unsigned bytes by signed ones: 4-bit and Q6_K's 6-bit weights are
+// unsigned already, int8 weights are stored plus 128 (1..255) and c (w8a8) or the block's
+// sum of xq (q8_0) takes the 128s out again. The integer
 // sums are exact; the rest is float32 in an order that does not depend on M or on a row's
 // neighbours, so a row's output is the same in any batch.
 //
 // Packed layouts, in panels of kPanel (32) outputs and records of 4 inputs (the 4 bytes of
-// a VPDPBUSD lane); linear.NativeW8A8Weight and linear.NativeVnniW4A8Weight pack them:
+// a VPDPBUSD lane); native_weights.NativeW8A8Weight, NativeVnniW4A8Weight,
+// NativeVnniQ4KWeight, NativeVnniQ8_0Weight and NativeVnniQ6KWeight pack them:
 //   w8a8: packed [panels, K / 4, 2, 16, 4] uint8: [p][r][h][o][j] = q[32 p + 16 h + o][4 r + j]
 //         + 128 (a record is two 64-byte registers, outputs 0..15 and 16..31);
 //         scales [panels * 32] float32.
+//   q8_0, q6_k: packed as w8a8's, the bytes u; params [panels, bytes] uint8, per panel
+//         q8_0: per block the 32 outputs' d (float16, 64 bytes); q6_k: per super-block
+//         the 16 blocks' sc of the 32 outputs (int8, 16 x 32 bytes), then the outputs' d
+//         (float16, 64 bytes).
 //   w4a8: packed [panels, K / 4, 16, 4] uint8: [p][r][o][j] = q[32 p + o][4 r + j]
 //         | q[32 p + 16 + o][4 r + j] << 4 (one register; the nibbles are its two halves);
 //         group_params [panels, K / kBlock, 2, 32] float16: per block, the 32 outputs'
 //         scales, then their minimums.
+//   q4_k: packed as w4a8's; params [panels, bytes] uint8, per panel and super-block the 8
+//         blocks' sc of the 32 outputs, then their mn (uint8, 8 x 2 x 32 bytes), then the
+//         outputs' d and dmin (float16, 2 x 64 bytes).
 //
 // Threads split the panels; each streams its panels in order and requests the next one
-// (its weights and, for w4a8, its group_params) into cache while it multiplies. Rows go
+// (its weights and its parameters) into cache while it multiplies. Rows go
 // through in chunks of at most kMaxRows (their int32 and float32 sums in registers); later
 // chunks find the panel in cache. With more than one chunk, a 4-bit panel is widened once
 // to w8a8's record layout (bytes 0..15, one register per half) in a buffer of its thread,
-// and every chunk multiplies that.
+// and every chunk multiplies that (q4_k's too).
 //
 // Built for CPUs with AVX512-VNNI (and AVX512-BW); elsewhere these ops do not exist.
 #include <ATen/ATen.h>
@@ -103,6 +128,19 @@ inline void store_floats(float* dst, __m512 v, int64_t count) {
   _mm512_mask_storeu_ps(dst, first_lanes(count), v);
 }
 
+// 16 float16 values at src, or 16 bytes (unsigned, signed), as float32.
+inline __m512 halfs(const uint8_t* src) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+}
+inline __m512 bytes_u8(const uint8_t* src) {
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+}
+inline __m512 bytes_i8(const uint8_t* src) {
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+}
+
 // Whether v is neither NaN nor an infinity, read off its bits (fast math would fold
 // std::isfinite to true).
 inline bool finite(float v) {
@@ -143,8 +181,10 @@ struct W8Blocks {
     lo = _mm512_loadu_si512(record);
     hi = _mm512_loadu_si512(record + 64);
   }
+  static constexpr bool kNibbles = false;
+  static constexpr int64_t kParamBytes = 0;  // per block of a panel (the scales: Output)
   struct BlockParams {};
-  static inline BlockParams params_of(const uint16_t*) { return {}; }
+  static inline BlockParams params_of(const uint8_t*, int64_t) { return {}; }
   // acc += sums * d (the weight scale comes last, per output)
   static inline __m512 add_block(__m512 acc, __m512i sums, const Acts& a, const BlockParams&,
                                  int) {
@@ -159,27 +199,29 @@ using W8Narrow = W8Blocks<kBlock>;
 struct W4 {
   static constexpr int64_t kBlock = ::kBlock;
   using Acts = tokenmill::GroupActivations;
+  static inline Acts block_acts(float sum, float d, int32_t q_sum) {
+    return tokenmill::group_activations(sum, d, static_cast<float>(q_sum));
+  }
   static constexpr int64_t kRecordBytes = 64;
   static constexpr int kMaxRows = 4;  // and a block's scales and minimums
   // An empty asm statement after each row's products keeps its sums in registers, taking
   // products one record at a time: without it GCC interleaves a block's records and
   // spills (2x slower). (With the int8 kind it makes GCC spill instead.)
   static constexpr bool kPinSums = true;
+  static constexpr bool kNibbles = true;  // widened where more than one chunk of rows
+  static constexpr int64_t kParamBytes = 2 * kPanel * 2;
   static inline void load(const uint8_t* record, __m512i& lo, __m512i& hi) {
     const __m512i v = _mm512_loadu_si512(record), nibble = _mm512_set1_epi8(0x0f);
     lo = _mm512_and_si512(v, nibble);
     hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
   }
-  // A block's weight scales and minimums, per half of the panel, from its [2, 32] float16.
+  // Block b's weight scales and minimums, per half of the panel, from its [2, 32] float16.
   struct BlockParams {
     __m512 scale[2], min[2];
   };
-  static inline BlockParams params_of(const uint16_t* params) {
-    const auto half = [&](int64_t offset) {
-      return _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + offset)));
-    };
-    return {{half(0), half(16)}, {half(kPanel), half(kPanel + 16)}};
+  static inline BlockParams params_of(const uint8_t* panel_params, int64_t b) {
+    const uint8_t* params = panel_params + b * kParamBytes;
+    return {{halfs(params), halfs(params + 32)}, {halfs(params + 64), halfs(params + 96)}};
   }
   // acc += scale * (sums * d + e) + min * s
   static inline __m512 add_block(__m512 acc, __m512i sums, const Acts& a,
@@ -191,15 +233,90 @@ struct W4 {
   }
 };
 
+// W4's sums with Q4_K's parameters: block b's scale d * sc and minimum -(dmin * mn) from
+// its super-block's [8, 2, 32] uint8 sc and mn and [2, 32] float16 d and dmin (exact
+// products: the float32 values the file's dequantization gives).
+struct W4K : W4 {
+  static constexpr int64_t kSuper = 8;  // blocks per super-block
+  static constexpr int64_t kSuperBytes = kSuper * 2 * kPanel + 2 * kPanel * 2;
+  static constexpr int64_t kParamBytes = kSuperBytes / kSuper;
+  static inline BlockParams params_of(const uint8_t* panel_params, int64_t b) {
+    const uint8_t* super = panel_params + b / kSuper * kSuperBytes;
+    const uint8_t* sc = super + b % kSuper * 2 * kPanel;
+    const uint8_t* d = super + kSuper * 2 * kPanel;
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    const auto min = [&](int h) {
+      return _mm512_xor_ps(_mm512_mul_ps(halfs(d + 64 + 32 * h), bytes_u8(sc + 32 + 16 * h)),
+                           sign);
+    };
+    const auto scale = [&](int h) {
+      return _mm512_mul_ps(halfs(d + 32 * h), bytes_u8(sc + 16 * h));
+    };
+    return {{scale(0), scale(1)}, {min(0), min(1)}};
+  }
+};
+
 // A 4-bit panel widened once to W8's record layout (unpack_panel): the same sums and
-// epilogue as W4, two plain loads a record, more rows at a time.
-struct W4Widened : W4 {
+// epilogue as W, two plain loads a record, more rows at a time.
+template <typename W>
+struct Widened : W {
   static constexpr int64_t kRecordBytes = W8::kRecordBytes;
   static constexpr int kMaxRows = 6;
   static inline void load(const uint8_t* record, __m512i& lo, __m512i& hi) {
     W8::load(record, lo, hi);
   }
 };
+
+// What int8 groups keep of a row's block of activations: its scale and the offset's part
+// of the integer sums, o * sum xq.
+struct GroupActs {
+  float d;  // NaN for a NaN or an infinity in the block, 0 for zeros
+  int32_t offset_sum;
+};
+
+// Unsigned bytes u = q + OFFSET with a scale per BLOCK inputs of an output, the block of
+// activations too: SUPER == 1, the block's float16 d (Q8_0); else a super-block of SUPER
+// blocks, per block an int8 sc and per super-block a float16 d, scale d * sc (Q6_K).
+template <int64_t BLOCK, int OFFSET, int64_t SUPER>
+struct W8Groups {
+  static constexpr int64_t kBlock = BLOCK;
+  using Acts = GroupActs;
+  static constexpr int64_t kRecordBytes = W8::kRecordBytes;
+  static constexpr int kMaxRows = 6;
+  static constexpr bool kPinSums = false;
+  static constexpr bool kNibbles = false;
+  static constexpr int64_t kSuperBytes = (SUPER > 1 ? SUPER * kPanel : 0) + kPanel * 2;
+  static constexpr int64_t kParamBytes = kSuperBytes / SUPER;
+  static_assert(kParamBytes * SUPER == kSuperBytes);
+  static inline void load(const uint8_t* record, __m512i& lo, __m512i& hi) {
+    W8::load(record, lo, hi);
+  }
+  static inline Acts block_acts(float, float d, int32_t q_sum) { return {d, OFFSET * q_sum}; }
+  struct BlockParams {
+    __m512 scale[2];
+  };
+  static inline BlockParams params_of(const uint8_t* panel_params, int64_t b) {
+    const uint8_t* super = panel_params + b / SUPER * kSuperBytes;
+    const uint8_t* d = super + (SUPER > 1 ? SUPER * kPanel : 0);
+    if constexpr (SUPER == 1) {
+      return {{halfs(d), halfs(d + 32)}};
+    } else {
+      const uint8_t* sc = super + b % SUPER * kPanel;
+      return {{_mm512_mul_ps(halfs(d), bytes_i8(sc)),
+               _mm512_mul_ps(halfs(d + 32), bytes_i8(sc + 16))}};
+    }
+  }
+  // acc += scale * ((sums - o * sum xq) * d)
+  static inline __m512 add_block(__m512 acc, __m512i sums, const Acts& a,
+                                 const BlockParams& params, int h) {
+    const __m512i centred = _mm512_sub_epi32(sums, _mm512_set1_epi32(a.offset_sum));
+    const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(centred), _mm512_set1_ps(a.d));
+    return _mm512_fmadd_ps(v, params.scale[h], acc);
+  }
+};
+
+using Q8_0 = W8Groups<32, 128, 1>;
+using Q6K = W8Groups<16, 32, 16>;
 
 // This thread's buffer for a widened panel, at least `bytes` long (grown, never shrunk).
 inline uint8_t* widening_buffer(int64_t bytes) {
@@ -208,7 +325,7 @@ inline uint8_t* widening_buffer(int64_t bytes) {
   return buffer.data();
 }
 
-// The 4-bit panel at src ([K / 4, 64] bytes) as W4Widened's records ([K / 4, 128]) at dst.
+// The 4-bit panel at src ([K / 4, 64] bytes) as Widened's records ([K / 4, 128]) at dst.
 inline void unpack_panel(const uint8_t* src, int64_t k, uint8_t* dst) {
   for (int64_t r = 0; r < k / 4; ++r) {
     __m512i lo, hi;
@@ -250,19 +367,19 @@ void quantize_row(const T* x, int64_t k, int8_t* xq, typename W::Acts* acts, flo
       q_sum16 = _mm512_add_epi32(q_sum16, q);
     }
     const float d = ok ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
-    const auto q_sum = static_cast<float>(_mm512_reduce_add_epi32(q_sum16));
+    const int32_t q_sum = _mm512_reduce_add_epi32(q_sum16);
     if constexpr (kInt8<W>) {
       acts[b] = {d};
-      c_sum += d * q_sum;
+      c_sum += d * static_cast<float>(q_sum);
     } else {
-      acts[b] = tokenmill::group_activations(sum, d, q_sum);
+      acts[b] = W::block_acts(sum, d, q_sum);
     }
   }
   if constexpr (kInt8<W>) *c = 128.f * c_sum;
 }
 
 // The panel to request into cache while one is multiplied: bytes [begin, end) of its
-// weights and (w4a8) its group_params, or nulls for none. Each chunk of rows times the
+// weights and its parameters (w8a8: none), or nulls for none. Each chunk of rows times the
 // panel requests its share of the next one's weights, spread over its blocks, so that
 // memory streams during all of the panel's arithmetic (not only its first chunk's, which
 // asked more of memory than a core gets at 32 rows and more). At a decode's few rows the
@@ -275,10 +392,10 @@ struct NextPanel {
 };
 
 // Rows [row, row + ROWS) of the call times one panel: acc[r][h] = outputs 16 h .. 16 h + 15
-// of row r, before the epilogue. params: the panel's group_params (w4a8) or null.
+// of row r, before the epilogue. params: the panel's parameters (w8a8: null).
 template <typename W, int ROWS>
 inline void panel_kernel(const QuantizedRows<typename W::Acts>& xr, int64_t row,
-                         const uint8_t* panel, const uint16_t* params, NextPanel ahead,
+                         const uint8_t* panel, const uint8_t* params, NextPanel ahead,
                          __m512 (&acc)[kMaxRows][2]) {
   constexpr int64_t kRecords = W::kBlock / 4;
   constexpr int64_t kBlockBytes = kRecords * W::kRecordBytes;
@@ -294,10 +411,11 @@ inline void panel_kernel(const QuantizedRows<typename W::Acts>& xr, int64_t row,
       for (int64_t line = ahead.begin + b * span; line < end; line += 64) {
         _mm_prefetch(ahead.weights + line, _MM_HINT_T1);
       }
-      if (ahead.params) {  // and its parameters of the block (2 x 32 float16: two lines)
-        const char* group = ahead.params + b * 2 * kPanel * 2;
-        _mm_prefetch(group, _MM_HINT_T1);
-        _mm_prefetch(group + 64, _MM_HINT_T1);
+      if (ahead.params) {  // and the lines that hold its parameters of the block
+        for (int64_t line = b * W::kParamBytes / 64 * 64; line < (b + 1) * W::kParamBytes;
+             line += 64) {
+          _mm_prefetch(ahead.params + line, _MM_HINT_T1);
+        }
       }
     }
     __m512i sums[kMaxRows][2];
@@ -318,8 +436,7 @@ inline void panel_kernel(const QuantizedRows<typename W::Acts>& xr, int64_t row,
         if constexpr (W::kPinSums) __asm__("" : "+v"(sums[r][0]), "+v"(sums[r][1]));
       }
     }
-    const typename W::BlockParams block_params =
-        W::params_of(params ? params + b * 2 * kPanel : nullptr);
+    const typename W::BlockParams block_params = W::params_of(params, b);
     for (int r = 0; r < ROWS; ++r) {
       const typename W::Acts& a = xr.acts[(row + r) * blocks + b];
       for (int h = 0; h < 2; ++h) {
@@ -352,7 +469,7 @@ inline __m512 weight_scaled(__m512 sums, const QuantizedRows<Acts>& xr, int64_t 
 
 template <typename W, int ROWS, typename T>
 void rows_times_panel(const QuantizedRows<typename W::Acts>& xr, int64_t row,
-                      const uint8_t* panel, const uint16_t* params, NextPanel ahead, int64_t p,
+                      const uint8_t* panel, const uint8_t* params, NextPanel ahead, int64_t p,
                       const Output<T>& o) {
   __m512 acc[kMaxRows][2];
   panel_kernel<W, ROWS>(xr, row, panel, params, ahead, acc);
@@ -383,7 +500,7 @@ void rows_times_panel(const QuantizedRows<typename W::Acts>& xr, int64_t row,
 
 template <typename W, typename T>
 using RowsFn = void (*)(const QuantizedRows<typename W::Acts>&, int64_t, const uint8_t*,
-                        const uint16_t*, NextPanel, int64_t, const Output<T>&);
+                        const uint8_t*, NextPanel, int64_t, const Output<T>&);
 template <typename W, typename T, int... R>
 constexpr auto make_table(std::integer_sequence<int, R...>) {
   return std::array<RowsFn<W, T>, sizeof...(R)>{&rows_times_panel<W, R + 1, T>...};
@@ -406,7 +523,7 @@ const T* data_of(const at::Tensor& t) {
 // the first one its parameters too.
 template <typename W, typename T>
 void rows_times_panel_in_chunks(const QuantizedRows<typename W::Acts>& xr, int64_t m,
-                                const uint8_t* panel, const uint16_t* params, NextPanel next,
+                                const uint8_t* panel, const uint8_t* params, NextPanel next,
                                 int64_t p, const Output<T>& o) {
   const int64_t chunks = (m + W::kMaxRows - 1) / W::kMaxRows;
   for (int64_t c = 0, row = 0; c < chunks; ++c) {
@@ -424,7 +541,7 @@ void rows_times_panel_in_chunks(const QuantizedRows<typename W::Acts>& xr, int64
 
 template <typename W, typename T>
 void linear(const at::Tensor& x, const at::Tensor& packed, const float* scales,
-            const uint16_t* params, const std::optional<at::Tensor>& bias,
+            const uint8_t* params, const std::optional<at::Tensor>& bias,
             const std::optional<at::Tensor>& residual, bool gated, at::Tensor& out) {
   const int64_t m = x.size(0), k = x.size(1), blocks = k / W::kBlock;
   const int64_t n = gated ? 2 * out.size(1) : out.size(1);
@@ -449,16 +566,15 @@ void linear(const at::Tensor& x, const at::Tensor& packed, const float* scales,
                     residual ? residual->stride(0) : 0,
                     reinterpret_cast<T*>(out.data_ptr()), n, gated};
   const auto* weights = packed.data_ptr<uint8_t>();
-  const int64_t panel_bytes = k / 4 * W::kRecordBytes, panel_params = blocks * 2 * kPanel;
+  const int64_t panel_bytes = k / 4 * W::kRecordBytes, panel_params = blocks * W::kParamBytes;
   // 4-bit panels are widened once when more than one chunk of rows multiplies them
-  constexpr bool kWidens = std::is_same_v<W, W4>;
-  const bool widen = kWidens && m > W::kMaxRows;
+  const bool widen = W::kNibbles && m > W::kMaxRows;
   tokenmill::parallel_batches(panels_for(n), [&](int64_t begin, int64_t end,
                                                  int64_t following) {
     uint8_t* widened = widen ? widening_buffer(k / 4 * W8::kRecordBytes) : nullptr;
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* panel = weights + p * panel_bytes;
-      const uint16_t* panel_params_at = params ? params + p * panel_params : nullptr;
+      const uint8_t* panel_params_at = params ? params + p * panel_params : nullptr;
       const int64_t next_p = p + 1 < end ? p + 1 : following;
       const NextPanel next =
           next_p < 0 ? NextPanel{}
@@ -467,11 +583,11 @@ void linear(const at::Tensor& x, const at::Tensor& packed, const float* scales,
                                               params + next_p * panel_params)
                                         : nullptr,
                                  0, panel_bytes};
-      if constexpr (kWidens) {
+      if constexpr (W::kNibbles) {
         if (widen) {
           unpack_panel(panel, k, widened);
-          rows_times_panel_in_chunks<W4Widened, T>(xr, m, widened, panel_params_at, next, p,
-                                                   o);
+          rows_times_panel_in_chunks<Widened<W>, T>(xr, m, widened, panel_params_at, next, p,
+                                                    o);
           continue;
         }
       }
@@ -483,15 +599,15 @@ void linear(const at::Tensor& x, const at::Tensor& packed, const float* scales,
 // The checks both ops share, and the dispatch on x's dtype.
 template <typename W>
 at::Tensor checked_linear(const at::Tensor& x, const at::Tensor& packed, const float* scales,
-                          const uint16_t* params, int64_t out_features,
+                          const uint8_t* params, int64_t out_features,
                           const std::optional<at::Tensor>& bias,
                           const std::optional<at::Tensor>& residual, bool gated,
-                          const char* layout) {
+                          const char* layout, int64_t multiple) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 &&
                   (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "x must be [M, K] bfloat16 or float32 with contiguous rows");
   const int64_t m = x.size(0), k = x.size(1), panels = panels_for(out_features);
-  TORCH_CHECK(k % W::kBlock == 0, "x must be [M, K] with K a multiple of ", W::kBlock);
+  TORCH_CHECK(k % multiple == 0, "x must be [M, K] with K a multiple of ", multiple);
   TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
                   packed.size(0) == panels && packed.size(1) == k / 4 * W::kRecordBytes,
               "packed must be ", layout, "'s packing of an [out_features, K] weight");
@@ -521,7 +637,7 @@ at::Tensor vnni_w8a8_linear(const at::Tensor& x, const at::Tensor& packed,
   const auto linear = x.dim() == 2 && x.size(1) % kWideBlock == 0 ? checked_linear<W8>
                                                                   : checked_linear<W8Narrow>;
   return linear(x, packed, scales.data_ptr<float>(), nullptr, out_features, bias, residual,
-                gated, "linear.NativeW8A8Weight");
+                gated, "linear.NativeW8A8Weight", kBlock);
 }
 
 at::Tensor vnni_w4a8_linear(const at::Tensor& x, const at::Tensor& packed,
@@ -535,9 +651,50 @@ at::Tensor vnni_w4a8_linear(const at::Tensor& x, const at::Tensor& packed,
                   group_params.scalar_type() == at::kHalf,
               "group_params must be [panels, K / ", kBlock, ", 2, ", kPanel, "] float16");
   return checked_linear<W4>(x, packed, nullptr,
-                            reinterpret_cast<const uint16_t*>(group_params.data_ptr()),
+                            static_cast<const uint8_t*>(group_params.data_ptr()),
                             out_features, bias, residual, gated,
-                            "linear.NativeVnniW4A8Weight");
+                            "linear.NativeVnniW4A8Weight", kBlock);
+}
+
+// The ops over a GGUF file's own blocks: W's parameters in params, [panels, bytes]
+// uint8, for K a multiple of `multiple` (a super-block's inputs).
+template <typename W>
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params,
+                       int64_t out_features, const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& residual, bool gated, int64_t multiple,
+                       const char* layout) {
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
+  TORCH_CHECK(params.dim() == 2 && params.size(0) == panels_for(out_features) &&
+                  params.size(1) == x.size(1) / W::kBlock * W::kParamBytes &&
+                  params.is_contiguous() && params.scalar_type() == at::kByte,
+              "params must be ", layout, "'s [panels, ", W::kParamBytes,
+              " bytes per block] uint8");
+  return checked_linear<W>(x, packed, nullptr, params.data_ptr<uint8_t>(), out_features, bias,
+                           residual, gated, layout, multiple);
+}
+
+at::Tensor vnni_q4_k_linear(const at::Tensor& x, const at::Tensor& packed,
+                            const at::Tensor& params, int64_t out_features,
+                            const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& residual, bool gated) {
+  return gguf_linear<W4K>(x, packed, params, out_features, bias, residual, gated,
+                          W4K::kSuper * W4K::kBlock, "native_weights.NativeVnniQ4KWeight");
+}
+
+at::Tensor vnni_q8_0_linear(const at::Tensor& x, const at::Tensor& packed,
+                            const at::Tensor& params, int64_t out_features,
+                            const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& residual, bool gated) {
+  return gguf_linear<Q8_0>(x, packed, params, out_features, bias, residual, gated,
+                           Q8_0::kBlock, "native_weights.NativeVnniQ8_0Weight");
+}
+
+at::Tensor vnni_q6_k_linear(const at::Tensor& x, const at::Tensor& packed,
+                            const at::Tensor& params, int64_t out_features,
+                            const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& residual, bool gated) {
+  return gguf_linear<Q6K>(x, packed, params, out_features, bias, residual, gated,
+                          16 * Q6K::kBlock, "native_weights.NativeVnniQ6KWeight");
 }
 
 }  // namespace
@@ -547,11 +704,20 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
         "Tensor? bias, Tensor? residual, bool gated=False) -> Tensor");
   m.def("vnni_w4a8_linear(Tensor x, Tensor packed, Tensor group_params, int out_features, "
         "Tensor? bias, Tensor? residual, bool gated=False) -> Tensor");
+  m.def("vnni_q4_k_linear(Tensor x, Tensor packed, Tensor params, int out_features, "
+        "Tensor? bias, Tensor? residual, bool gated=False) -> Tensor");
+  m.def("vnni_q8_0_linear(Tensor x, Tensor packed, Tensor params, int out_features, "
+        "Tensor? bias, Tensor? residual, bool gated=False) -> Tensor");
+  m.def("vnni_q6_k_linear(Tensor x, Tensor packed, Tensor params, int out_features, "
+        "Tensor? bias, Tensor? residual, bool gated=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("vnni_w8a8_linear", &vnni_w8a8_linear);
   m.impl("vnni_w4a8_linear", &vnni_w4a8_linear);
+  m.impl("vnni_q4_k_linear", &vnni_q4_k_linear);
+  m.impl("vnni_q8_0_linear", &vnni_q8_0_linear);
+  m.impl("vnni_q6_k_linear", &vnni_q6_k_linear);
 }
 
 #endif  // AVX512-VNNI

@@ -28,6 +28,12 @@ row) in torch's row order, and decodes it:
   ``dequantize()`` bit for bit; for Q5_1 and Q5_K the planes sum to the exact value
   ``d q + m``, which ``dequantize()`` rounds once to float32 (they differ from it by at
   most half a float32 unit in the last place).
+- ``own_fields()``, for ``FIELD_TYPES`` only: the blocks' fields as the file stores them,
+  each ``[rows, values per row]`` (the integer kernels over int8 activations take these):
+  Q4_K (``d sc q - dmin mn``) gives ``(q, sc, mn, d, dmin)``: ``q`` uint8 in 0..15, the
+  6-bit ``sc`` and ``mn`` uint8 per 32 inputs, ``d`` and ``dmin`` float16 per 256; Q6_K
+  (``d sc (q - 32)``) ``(q, sc, d)``: ``q`` uint8 in 0..63, ``sc`` int8 per 16, ``d``
+  float16 per 256; Q8_0 (``d q``) ``(q, d)``: ``q`` int8, ``d`` float16 per 32.
 """
 
 from __future__ import annotations
@@ -95,6 +101,13 @@ class FileRows:
         return [(self._matrix(q), self._per_group(scales), self._per_group(mins))
                 for q, scales, mins in _PLANE_DECODERS[self.qtype](self._blocks())]
 
+    def own_fields(self) -> tuple[torch.Tensor, ...]:
+        """The blocks' fields, each ``[rows, values per row]`` (see the module's docstring);
+        only for ``FIELD_TYPES``."""
+        assert self.qtype in FIELD_TYPES, f"{self.qtype.name} has no decoded fields here"
+        return tuple(torch.from_numpy(np.ascontiguousarray(field).reshape(self.shape[0], -1))
+                     for field in _FIELD_DECODERS[self.qtype](self._blocks()))
+
     def _blocks(self) -> np.ndarray:
         """``[blocks, bytes per block]`` uint8, the blocks in row order."""
         _, type_size = GGML_QUANT_SIZES[self.qtype]
@@ -110,9 +123,14 @@ class FileRows:
         return torch.from_numpy(values.reshape(self.shape[0], -1))
 
 
+def _half(field: np.ndarray) -> np.ndarray:
+    """``[blocks, 2]`` bytes holding a float16 -> ``[blocks, 1]`` float16."""
+    return np.ascontiguousarray(field).view(np.float16)
+
+
 def _f16(field: np.ndarray) -> np.ndarray:
     """``[blocks, 2]`` bytes holding a float16 -> ``[blocks, 1]`` float32."""
-    return np.ascontiguousarray(field).view(np.float16).astype(np.float32)
+    return _half(field).astype(np.float32)
 
 
 def _fields(qs: np.ndarray, run: int, width: int) -> np.ndarray:
@@ -139,7 +157,8 @@ NpPlane = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def _q8_0(blocks: np.ndarray) -> NpGroups:
-    return blocks[:, 2:].view(np.int8), _f16(blocks[:, :2])
+    q, d = _q8_0_fields(blocks)
+    return q, d.astype(np.float32)
 
 
 def _q5_0(blocks: np.ndarray) -> NpGroups:
@@ -147,11 +166,16 @@ def _q5_0(blocks: np.ndarray) -> NpGroups:
     return q.astype(np.int8) - np.int8(16), _f16(blocks[:, :2])
 
 
-def _q6_k(blocks: np.ndarray) -> NpGroups:
-    """ql (128 bytes: q's low nibbles), qh (64: its high 2 bits), sc (16 int8), d."""
+def _q6_k_fields(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ql (128 bytes: q's low nibbles), qh (64: its high 2 bits), sc (16 int8), d:
+    ``(q in 0..63, sc, d)``."""
     q = _nibbles(blocks[:, :128], 64) | (_fields(blocks[:, 128:192], 32, 2) << np.uint8(4))
-    sc = blocks[:, 192:208].view(np.int8).astype(np.float32)
-    return q.astype(np.int8) - np.int8(32), _f16(blocks[:, 208:210]) * sc
+    return q, blocks[:, 192:208].view(np.int8), _half(blocks[:, 208:210])
+
+
+def _q6_k(blocks: np.ndarray) -> NpGroups:
+    q, sc, d = _q6_k_fields(blocks)
+    return q.astype(np.int8) - np.int8(32), d.astype(np.float32) * sc.astype(np.float32)
 
 
 def _q3_k(blocks: np.ndarray) -> NpGroups:
@@ -171,6 +195,17 @@ def _q4_0(blocks: np.ndarray) -> list[NpPlane]:
 
 def _q4_1(blocks: np.ndarray) -> list[NpPlane]:
     return [(_nibbles(blocks[:, 4:], 16), _f16(blocks[:, :2]), _f16(blocks[:, 2:4]))]
+
+
+def _q4_k_fields(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+    """d, dmin (float16), sc and mn (12 bytes: 8 6-bit values each), qs (128: q's
+    nibbles): ``(q, sc, mn, d, dmin)``."""
+    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])
+    return (_nibbles(blocks[:, 16:], 32), sc, mn, _half(blocks[:, :2]), _half(blocks[:, 2:4]))
+
+
+def _q8_0_fields(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return blocks[:, 2:].view(np.int8), _half(blocks[:, :2])
 
 
 def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -205,3 +240,8 @@ _PLANE_DECODERS = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q4_K: _q4_k, Q.Q5_1: _q5_1, Q
 INT8_GROUP_TYPES = tuple(_INT8_DECODERS)  # the types int8 with a scale per group holds exactly
 INT8_GROUPS = {Q.Q8_0: 32, Q.Q5_0: 32, Q.Q6_K: 16, Q.Q3_K: 16}  # their inputs per scale
 PLANE_TYPES = tuple(_PLANE_DECODERS)  # the others that 4-bit planes hold (see above)
+# the 4-bit types whose scales and minimums are float16 numbers (Q4_0's -8 d, unless it
+# overflows float16)
+HALF_PLANE_TYPES = (Q.Q4_0, Q.Q4_1)
+_FIELD_DECODERS = {Q.Q4_K: _q4_k_fields, Q.Q6_K: _q6_k_fields, Q.Q8_0: _q8_0_fields}
+FIELD_TYPES = tuple(_FIELD_DECODERS)  # the types own_fields() decodes

@@ -29,12 +29,19 @@ weight once, after loading, into the format's packed-weight class:
 - ``NativeW8A8Format``: int8's weights times activations quantized to int8 per block of
   64 inputs (32 where 64 do not divide a row) at every call, multiplied as integers
   (AVX512-VNNI), the output head too. No PyTorch form.
-- ``GGUFFormat``: a GGUF file's own values (``docs/gguf.md``): rows of Q8_0 and Q5_0,
-  Q6_K and Q3_K (``gguf.blocks.INT8_GROUP_TYPES``) compute as int8 with a scale per 32 or
-  per 16 inputs in the native int8 kernel, rows of a type that 4-bit planes hold
+- ``GGUFFormat``: a GGUF file's own values (``docs/gguf.md``). On a CPU with AVX512-VNNI
+  (bfloat16 or float32 activations) rows of Q4_K, Q6_K and Q8_0 compute on their own
+  blocks times activations quantized to int8 at every call, multiplied as integers, as
+  llama.cpp does (``NativeVnniQ4KWeight``, ``NativeVnniQ6KWeight``,
+  ``NativeVnniQ8_0Weight``), and rows of Q4_0 and Q4_1 on w4a8's (their float16 scales
+  and minimums); the weights exactly, the activations rounded per block of 32 inputs (Q6_K:
+  16). Elsewhere, and for the other types there: rows of Q8_0 and Q5_0, Q6_K and Q3_K
+  (``gguf.blocks.INT8_GROUP_TYPES``) compute as int8 with a scale per 32 or per 16 inputs
+  in the native int8 kernel, rows of a type that 4-bit planes hold
   (``gguf.blocks.PLANE_TYPES``: Q4_0, Q4_1, Q4_K in one, Q5_1, Q5_K in two) on them in the
-  native int4 kernel, both exactly; the rows of other types (Q2_K, the float types) in the
-  format ``none`` gives them (their values in the dtype: exact in float32).
+  native int4 kernel, both exactly with the activations as they are; the rows of other
+  types (Q2_K, the float types) in the format ``none`` gives them (their values in the
+  dtype: exact in float32).
 - ``LlamaCppFormat``: a GGUF file's values in float32 times activations rounded before
   each product as llama.cpp's CPU backend rounds them for the weight's type
   (``gguf.llama_cpp_rounding``): llama.cpp's products on the file, for comparing with it;
@@ -49,9 +56,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
+from gguf import GGMLQuantizationType
 
 from tokenmill.kernels import NativeKernels
-from tokenmill.models.gguf.blocks import INT8_GROUP_TYPES, PLANE_TYPES, FileRows
+from tokenmill.models.gguf.blocks import (
+    FIELD_TYPES,
+    HALF_PLANE_TYPES,
+    INT8_GROUP_TYPES,
+    PLANE_TYPES,
+    FileRows,
+)
 from tokenmill.models.gguf.llama_cpp_rounding import (
     VEC_DOT_TYPES,
     Q8_1ActivationsWeight,
@@ -63,6 +77,9 @@ from tokenmill.models.weights.native_weights import (
     NativeInt4Weight,
     NativeInt8GroupWeight,
     NativeInt8Weight,
+    NativeVnniQ4KWeight,
+    NativeVnniQ6KWeight,
+    NativeVnniQ8_0Weight,
     NativeVnniW4A8Weight,
     NativeW4A8Weight,
     NativeW8A8Weight,
@@ -93,8 +110,9 @@ class StackedRowsWeight:
 
 PackedWeight = (OneDNNWeight | NativeWeight | Int8Weight | NativeInt8Weight
                 | NativeInt8GroupWeight | Int4Weight | NativeInt4Weight | NativeInt4PlanesWeight
-                | NativeW4A8Weight | StackedRowsWeight | RoundedActivationsWeight
-                | Q8_1ActivationsWeight)
+                | NativeW4A8Weight | NativeVnniW4A8Weight | NativeVnniQ4KWeight
+                | NativeVnniQ6KWeight | NativeVnniQ8_0Weight | StackedRowsWeight
+                | RoundedActivationsWeight | Q8_1ActivationsWeight)
 QUANTIZED_DTYPES = (torch.bfloat16, torch.float32)  # what int8 and int4 compute in
 # packs a run of a weight's rows (and their bias) from the file's rows they were read from
 RowsPacker = Callable[[torch.Tensor, torch.Tensor | None, list[FileRows]], PackedWeight]
@@ -315,19 +333,27 @@ class NativeVnniW4A8Format(NativeW8A8Format):
 
 class GGUFFormat(WeightFormat):
     """A GGUF file's own values, unchanged, each run of rows of one route (``_route``) packed
-    on its own: rows of ``INT8_GROUP_TYPES`` on the native int8 kernel with a scale per
-    ``FileRows.int8_group`` (32 or 16) inputs (``NativeInt8GroupWeight``); rows of
-    ``PLANE_TYPES`` on the native int4 kernel as their 4-bit planes (one plane:
-    ``NativeInt4Weight``; two: ``NativeInt4PlanesWeight``, rows of one plane given a zero
-    second one); the others, and any weight ``pack``ed without the file's rows, in
-    ``dense``, the format ``none`` takes (never None where this format is supported: the
-    native linear kernels take the dtype there, so the native dense format or oneDNN
-    does). A fused projection whose shards take different routes, or int8 groups of
-    different sizes, is split where that changes (``StackedRowsWeight``)."""
+    on its own. With ``integer`` (the VNNI kernels run the dtype: ``NativeW8A8Format.
+    supports``) rows of ``FIELD_TYPES`` (Q4_K, Q6_K, Q8_0) on their own blocks' fields
+    (``NativeVnniQ4KWeight``, ``NativeVnniQ6KWeight``, ``NativeVnniQ8_0Weight``, one weight
+    a type) and rows of ``HALF_PLANE_TYPES`` (Q4_0, Q4_1) on ``NativeVnniW4A8Weight`` with
+    their float16 scales and minimums, activations quantized to int8 at every call. The
+    other rows, and all of them without ``integer``: rows of ``INT8_GROUP_TYPES`` on the
+    native int8 kernel with a scale per ``FileRows.int8_group`` (32 or 16) inputs
+    (``NativeInt8GroupWeight``); rows of ``PLANE_TYPES`` on the native int4 kernel as their
+    4-bit planes (one plane: ``NativeInt4Weight``; two: ``NativeInt4PlanesWeight``, rows of
+    one plane given a zero second one); the others, and any weight ``pack``ed without the
+    file's rows, in ``dense``, the format ``none`` takes (never None where this format is
+    supported: the native linear kernels take the dtype there, so the native dense format
+    or oneDNN does). Every route computes on the file's weights exactly. A fused projection
+    whose shards take different routes, int8 groups of different sizes or different
+    ``FIELD_TYPES``, is split where that changes (``StackedRowsWeight``). The packers read
+    the values from the rows alone (``weight`` gives the shape and the dtype)."""
 
-    def __init__(self, kernels: NativeKernels, dense: WeightFormat) -> None:
+    def __init__(self, kernels: NativeKernels, dense: WeightFormat, integer: bool) -> None:
         self.kernels = kernels
         self.dense = dense
+        self.integer = integer
 
     @staticmethod
     def supports(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
@@ -337,7 +363,7 @@ class GGUFFormat(WeightFormat):
     def build(cls, dtype: torch.dtype, kernels: NativeKernels | None,
               dense: WeightFormat | None) -> WeightFormat:
         assert dense is not None, "the native linear kernels take the dtype (supports)"
-        return cls(kernels, dense)
+        return cls(kernels, dense, NativeW8A8Format.supports(dtype, kernels))
 
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight:
         return self.dense.pack(weight, bias)
@@ -347,10 +373,14 @@ class GGUFFormat(WeightFormat):
         return _pack_in_runs(weight, bias, rows, self._route,
                              lambda route, part, part_bias, run: route[0](part, part_bias, run))
 
-    def _route(self, rows: FileRows) -> tuple[RowsPacker, int | None]:
-        """The route of ``rows``: the method that packs a run of rows like them, and for
-        int8 groups their inputs per scale (one weight holds one group size), else None.
-        Rows of equal routes pack together."""
+    def _route(self, rows: FileRows) -> tuple[RowsPacker, object]:
+        """The route of ``rows``: the method that packs a run of rows like them, and what
+        else must be equal for rows to share a weight (int8 groups: their inputs per scale;
+        own fields: the type), else None. Rows of equal routes pack together."""
+        if self.integer and rows.qtype in FIELD_TYPES:
+            return self._pack_own_fields, rows.qtype
+        if self.integer and rows.qtype in HALF_PLANE_TYPES:
+            return self._pack_half_planes, None
         if rows.qtype in INT8_GROUP_TYPES:
             return self._pack_int8_groups, rows.int8_group
         if rows.qtype in PLANE_TYPES:
@@ -362,6 +392,24 @@ class GGUFFormat(WeightFormat):
         q, scales = (torch.cat(parts)
                      for parts in zip(*(r.int8_groups() for r in rows), strict=True))
         return NativeInt8GroupWeight(self.kernels, weight, bias, (q, scales))
+
+    def _pack_own_fields(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                         rows: list[FileRows]) -> PackedWeight:
+        fields = tuple(torch.cat(parts)
+                       for parts in zip(*(r.own_fields() for r in rows), strict=True))
+        return _FIELD_WEIGHTS[rows[0].qtype](self.kernels, weight, bias, fields)
+
+    def _pack_half_planes(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                          rows: list[FileRows]) -> PackedWeight:
+        """On w4a8's kernel where float16 holds the scales and minimums (Q4_0's -8 d may
+        overflow it: then on the int4 kernel's float32)."""
+        q, scales, mins = (torch.cat(parts) for parts in zip(
+            *(r.int4_planes()[0] for r in rows), strict=True))
+        halves = scales.half(), mins.half()
+        if not all(torch.equal(h.float(), f) for h, f in zip(halves, (scales, mins),
+                                                            strict=True)):
+            return self._pack_planes(weight, bias, rows)
+        return NativeVnniW4A8Weight(self.kernels, weight, bias, (q, *halves))
 
     def _pack_planes(self, weight: torch.Tensor, bias: torch.Tensor | None,
                      rows: list[FileRows]) -> PackedWeight:
@@ -381,6 +429,12 @@ class GGUFFormat(WeightFormat):
     def _pack_dense(self, weight: torch.Tensor, bias: torch.Tensor | None,
                     rows: list[FileRows]) -> PackedWeight:
         return self.pack(weight, bias)
+
+
+# the weight class of each of FIELD_TYPES
+_FIELD_WEIGHTS = {GGMLQuantizationType.Q4_K: NativeVnniQ4KWeight,
+                  GGMLQuantizationType.Q6_K: NativeVnniQ6KWeight,
+                  GGMLQuantizationType.Q8_0: NativeVnniQ8_0Weight}
 
 
 class LlamaCppFormat(WeightFormat):

@@ -120,8 +120,9 @@ class ScaledWeight(KernelWeight):
 
 
 class GroupParamsWeight(KernelWeight):
-    """The call of the w4a8 kernels: ``linear(x, packed, group_params, out_features, bias,
-    residual)``, per group the scales and minimums in one tensor; subclasses set them."""
+    """The call of the w4a8 kernels and the VNNI kernels over a GGUF file's blocks:
+    ``linear(x, packed, group_params, out_features, bias, residual)``, the blocks' scales
+    (and minimums) in one tensor; subclasses set them."""
 
     packed: torch.Tensor
     group_params: torch.Tensor
@@ -275,6 +276,38 @@ def _records(q: torch.Tensor) -> torch.Tensor:
     return q.view(-1, 2, 16, q.shape[1] // 4, 4).permute(0, 3, 1, 2, 4)
 
 
+def _byte_records(q: torch.Tensor) -> torch.Tensor:
+    """Byte weights ``q [N, K]`` (uint8) in ``_records``' layout, ``[panels, K * 32]``."""
+    return _records(q).reshape(-1, q.shape[1] * VNNI_PANEL)
+
+
+def _nibble_records(q: torch.Tensor) -> torch.Tensor:
+    """4-bit weights ``q [N, K]`` (uint8, 0..15) in ``_records``' layout with the panel's two
+    halves in one byte, ``[panels, K * 16]``: output ``o`` in the low nibble, ``16 + o`` in
+    the high one."""
+    halves = _records(q)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(-1, q.shape[1] * 16)
+
+
+def _panel_params(per_block: list[torch.Tensor], per_super: list[torch.Tensor],
+                  blocks_per_super: int) -> torch.Tensor:
+    """A GGUF weight's block parameters in the VNNI kernels' panels, ``[panels, bytes]``
+    uint8: per panel of 32 outputs and super-block (``blocks_per_super`` blocks of inputs),
+    per block the 32 outputs' byte of each of ``per_block`` (``[N, blocks]``, one byte
+    each) in turn, then the 32 outputs' float16 values of each of ``per_super`` (``[N,
+    super-blocks]``). Rows past N (padding to the panels) are zeros."""
+    def by_panel(t: torch.Tensor) -> torch.Tensor:  # [N, cols] -> [panels, cols, 32]
+        t = torch.nn.functional.pad(t, (0, 0, 0, -t.shape[0] % VNNI_PANEL))
+        return t.view(-1, VNNI_PANEL, t.shape[1]).transpose(1, 2)
+
+    parts = [by_panel(t).contiguous().view(torch.uint8) for t in per_super]
+    panels, supers = parts[0].shape[:2]
+    if per_block:
+        blocks = torch.stack([by_panel(t.view(torch.uint8)) for t in per_block], dim=2)
+        parts.insert(0, blocks.reshape(panels, supers, -1))
+    return torch.cat(parts, dim=2).reshape(panels, -1)
+
+
 class NativeW8A8Weight(ScaledWeight):
     """int8 weights with one float32 scale per output row (``quantize_int8_rows``) for
     ``vnni_w8a8_linear``, which quantizes the activations (bfloat16 or float32) to int8 per
@@ -299,25 +332,92 @@ class NativeW8A8Weight(ScaledWeight):
 
 
 class NativeVnniW4A8Weight(GroupParamsWeight):
-    """4-bit weights in Q4_1's form with float16 scales and minimums (a Q4_1 file's own
-    values, exactly) for ``vnni_w4a8_linear``, which quantizes the activations (bfloat16 or
-    float32) to int8 per group of 32 inputs at every call and multiplies integers
-    (AVX512-VNNI). ``_records``' layout with the panel's two halves in one byte, ``[panels,
-    K * 16]`` bytes: output ``o`` in the low nibble, ``16 + o`` in the high one;
-    ``group_params [panels, K / GROUP, 2, 32]`` the scales, then the minimums, of each
-    group's 32 outputs. Needs ``in % GROUP == 0``."""
+    """4-bit weights in Q4_1's form with float16 scales and minimums for
+    ``vnni_w4a8_linear``, which quantizes the activations (bfloat16 or float32) to int8 per
+    group of 32 inputs at every call and multiplies integers (AVX512-VNNI): ``groups``
+    (``q [out, in]`` in 0..15, ``scales, mins [out, in / GROUP]`` float16) where given (a
+    GGUF Q4_0 or Q4_1 file's own values, exactly), else quantized from ``weight``.
+    ``_nibble_records``' layout; ``group_params [panels, K / GROUP, 2, 32]`` the scales,
+    then the minimums, of each group's 32 outputs. Needs ``in % GROUP == 0``."""
 
     GROUP = 32
 
     def __init__(self, kernels: NativeKernels, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> None:
+                 bias: torch.Tensor | None,
+                 groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                 ) -> None:
         out_features, in_features = weight.shape
         check_int4_shape(in_features, self.GROUP, "w4a8")
         self.linear = kernels.vnni_linear().w4a8
-        q, scales, mins = quantize_q4_1_groups(weight, self.GROUP, torch.float16)
-        halves = _records(q)
-        self.packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(-1, in_features * 16)
+        if groups is None:
+            groups = quantize_q4_1_groups(weight, self.GROUP, torch.float16)
+        q, scales, mins = groups
+        self.packed = _nibble_records(q)
         self.group_params = torch.stack((group_panels(scales, VNNI_PANEL),
                                          group_panels(mins, VNNI_PANEL)), dim=2).contiguous()
         self.out_features = out_features
+        self.bias = bias
+
+
+class NativeVnniQ4KWeight(GroupParamsWeight):
+    """A GGUF file's own Q4_K blocks (``FileRows.own_fields()``: ``(q, sc, mn, d, dmin)``,
+    ``w = d sc q - dmin mn``) for ``vnni_q4_k_linear``: w4a8's arithmetic, activations
+    quantized to int8 per 32 inputs at every call (AVX512-VNNI), with each block's scale
+    ``d sc`` and minimum ``-(dmin mn)`` formed in the kernel, exactly in float32 (11 by 6
+    significant bits): the file's dequantized values bit for bit. ``q`` in
+    ``_nibble_records``' layout; ``group_params`` per panel and super-block of 256 inputs
+    the 8 blocks' ``sc``, then ``mn``, of the 32 outputs (bytes), then their ``d`` and
+    ``dmin`` (``_panel_params``): 4.625 bits a weight (the file's 4.5). ``weight`` gives
+    the shape; ``in`` is whole super-blocks, as GGUF rows are."""
+
+    SUPER = 8  # blocks of 32 per super-block
+
+    def __init__(self, kernels: NativeKernels, weight: torch.Tensor,
+                 bias: torch.Tensor | None, fields: tuple[torch.Tensor, ...]) -> None:
+        q, sc, mn, d, dmin = fields
+        self.linear = kernels.vnni_linear().q4_k
+        self.packed = _nibble_records(q)
+        self.group_params = _panel_params([sc, mn], [d, dmin], self.SUPER)
+        self.out_features = weight.shape[0]
+        self.bias = bias
+
+
+class NativeVnniQ8_0Weight(GroupParamsWeight):
+    """A GGUF file's own Q8_0 blocks (``FileRows.own_fields()``: ``(q, d)``, ``w = d q``)
+    for ``vnni_q8_0_linear``, activations quantized to int8 per 32 inputs at every call
+    (AVX512-VNNI). ``q + 128`` (unsigned, as VPDPBUSD takes it; the kernel takes the 128s
+    out with each block's sum of the int8 activations) in ``_byte_records``' layout;
+    ``group_params`` per panel and block of 32 inputs the 32 outputs' float16 ``d``
+    (``_panel_params``): 8.5 bits a weight, the file's. ``weight`` gives the shape."""
+
+    def __init__(self, kernels: NativeKernels, weight: torch.Tensor,
+                 bias: torch.Tensor | None, fields: tuple[torch.Tensor, ...]) -> None:
+        q, d = fields
+        self.linear = kernels.vnni_linear().q8_0
+        self.packed = _byte_records((q.to(torch.int16) + 128).to(torch.uint8))
+        self.group_params = _panel_params([], [d], 1)
+        self.out_features = weight.shape[0]
+        self.bias = bias
+
+
+class NativeVnniQ6KWeight(GroupParamsWeight):
+    """A GGUF file's own Q6_K blocks (``FileRows.own_fields()``: ``(q, sc, d)``, ``w = d sc
+    (q - 32)``) for ``vnni_q6_k_linear``, activations quantized to int8 per 16 inputs (the
+    weights' groups) at every call (AVX512-VNNI), each group's scale ``d sc`` formed in the
+    kernel, exactly in float32. ``q`` (0..63: unsigned, as VPDPBUSD takes it; the kernel
+    takes the 32s out with each block's sum of the int8 activations) a byte each in
+    ``_byte_records``' layout; ``group_params`` per panel and super-block of 256 inputs the
+    16 groups' ``sc`` of the 32 outputs, then their ``d`` (``_panel_params``): 9.125 bits a
+    weight (the file's 6.5625: 6-bit packing is not done). ``weight`` gives the shape;
+    ``in`` is whole super-blocks, as GGUF rows are."""
+
+    SUPER = 16  # groups of 16 per super-block
+
+    def __init__(self, kernels: NativeKernels, weight: torch.Tensor,
+                 bias: torch.Tensor | None, fields: tuple[torch.Tensor, ...]) -> None:
+        q, sc, d = fields
+        self.linear = kernels.vnni_linear().q6_k
+        self.packed = _byte_records(q)
+        self.group_params = _panel_params([sc], [d], self.SUPER)
+        self.out_features = weight.shape[0]
         self.bias = bias
