@@ -38,7 +38,7 @@ Usage::
                               [--warmup-requests 300] [--rss-window 15]
                               [--concurrency 8] [--num-kv-blocks 64] [--max-model-len 512]
                               [--min-prompt 16] [--prompt 300] [--min-output 1]
-                              [--output 48] [--out FILE]
+                              [--output 48] [--request-timeout 300] [--out FILE]
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ async def bad_request(client: httpx.AsyncClient, rng: random.Random, tally: Tall
 
 async def worker(base_url: str, seed: int, stop: asyncio.Event, args, tally: Tally) -> None:
     rng = random.Random(seed)
-    async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
+    async with httpx.AsyncClient(base_url=base_url, timeout=args.request_timeout) as client:
         while not stop.is_set():
             tally.requests += 1
             kind = rng.random()
@@ -380,6 +380,9 @@ def main() -> int:
     parser.add_argument("--output", type=int, default=48, help="most tokens per choice")
     parser.add_argument("--vocab", type=int, default=250, help="prompt token ids below this")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--request-timeout", type=float, default=300.0,
+                        help="seconds a client waits for a response or the next chunk (a "
+                             "whole non-streaming answer on a loaded host can take longer)")
     parser.add_argument("--out", default=os.path.join("benchmarks", "results", "soak.json"))
     args = parser.parse_args()
     if not 1 <= args.min_prompt <= args.prompt < args.max_model_len:
