@@ -12,7 +12,9 @@
 //
 // A projection is bound once (``add_linear``): its op's name and its arguments but x and
 // the residual, in the order of every linear kernel's schema (x, <weight...>, residual,
-// <options>). Each op is called through the dispatcher, as from Python, so the outputs equal
+// <options>); a weight packed in parts over runs of its rows (a GGUF file's Q4_K q and k
+// beside a Q6_K v) binds one op a part (``add_linear_part``), their outputs side by side.
+// Each op is called through the dispatcher, as from Python, so the outputs equal
 // the modules' bit for bit; what this saves is the Python between the ops (module calls,
 // attribute lookups, views): a measurable share of a step at a few streams, where the
 // kernels themselves take tens of microseconds.
@@ -48,8 +50,9 @@
 
 namespace {
 
-// A projection: its op, the arguments between x and the residual, and those after it.
-struct BoundLinear {
+// An op bound to a projection's weight: its op, the arguments between x and the residual,
+// and those after it.
+struct BoundOp {
   c10::OperatorHandle op;
   std::vector<c10::IValue> weight_args, trailing_args;
 
@@ -66,10 +69,36 @@ struct BoundLinear {
   }
 };
 
+// A projection: one op, or parts over runs of its output rows (a weight packed in parts,
+// formats.StackedRowsWeight): their outputs side by side, then the residual added, as that
+// class computes them.
+struct BoundLinear {
+  std::vector<BoundOp> parts;
+
+  at::Tensor operator()(const at::Tensor& x, const c10::optional<at::Tensor>& residual) const {
+    if (parts.size() == 1) return parts[0](x, residual);
+    std::vector<at::Tensor> outputs;
+    outputs.reserve(parts.size());
+    for (const BoundOp& part : parts) outputs.push_back(part(x, c10::nullopt));
+    at::Tensor out = at::cat(outputs, 1);
+    if (residual) out.add_(*residual);
+    return out;
+  }
+};
+
 c10::OperatorHandle find_op(const std::string& qualified_name) {
   const auto handle = c10::Dispatcher::singleton().findOp({qualified_name, ""});
   TORCH_CHECK(handle.has_value(), "no op named ", qualified_name);
   return *handle;
+}
+
+// op_name bound to its arguments but x and the residual, every one of its schema's given.
+BoundOp bound_op(const std::string& op_name, std::vector<c10::IValue> weight_args,
+                 std::vector<c10::IValue> trailing_args) {
+  c10::OperatorHandle op = find_op(op_name);
+  TORCH_CHECK(op.schema().arguments().size() == weight_args.size() + trailing_args.size() + 2,
+              op_name, " takes ", op.schema().arguments().size(), " arguments");
+  return {std::move(op), std::move(weight_args), std::move(trailing_args)};
 }
 
 // A layer's attention: (q [T, heads, D], the layer's KV cache [2, ...]) -> [T, heads * D].
@@ -255,10 +284,17 @@ struct DecodeLayers : torch::CustomClassHolder {
   void add_linear(const std::string& op_name, std::vector<c10::IValue> weight_args,
                   std::vector<c10::IValue> trailing_args) {
     TORCH_CHECK(linears.size() < 4 * layers.size(), "add_layer before its projections");
-    c10::OperatorHandle op = find_op(op_name);
-    TORCH_CHECK(op.schema().arguments().size() == weight_args.size() + trailing_args.size() + 2,
-                op_name, " takes ", op.schema().arguments().size(), " arguments");
-    linears.push_back({std::move(op), std::move(weight_args), std::move(trailing_args)});
+    linears.push_back({{bound_op(op_name, std::move(weight_args), std::move(trailing_args))}});
+  }
+
+  // The next part of the last projection added (its next run of output rows), bound as
+  // add_linear binds one.
+  void add_linear_part(const std::string& op_name, std::vector<c10::IValue> weight_args,
+                       std::vector<c10::IValue> trailing_args) {
+    TORCH_CHECK(linears.size() > 4 * (layers.size() - 1) && !layers.empty(),
+                "add_linear before the parts that follow it");
+    linears.back().parts.push_back(
+        bound_op(op_name, std::move(weight_args), std::move(trailing_args)));
   }
 
   // The hidden states after the last layer, before the final norm; writes each layer's new
@@ -423,6 +459,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
       .def(torch::init<double, int64_t, int64_t, int64_t, double, int64_t, int64_t>())
       .def("add_layer", &DecodeLayers::add_layer)
       .def("add_linear", &DecodeLayers::add_linear)
+      .def("add_linear_part", &DecodeLayers::add_linear_part)
       .def("run", &DecodeLayers::run)
       .def("run_mixed", &DecodeLayers::run_mixed)
       .def("handover_count", &DecodeLayers::handover_count);

@@ -22,8 +22,8 @@ from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.norms import RMSNorm, norm_qk
 from tokenmill.models.layers.ops import TORCH_LAYER_OPS, LayerOps
 from tokenmill.models.layers.rotary import RotaryEmbedding
-from tokenmill.models.weights.formats import WeightFormat
-from tokenmill.models.weights.native_weights import KernelWeight
+from tokenmill.models.weights.formats import PackedWeight, StackedRowsWeight, WeightFormat
+from tokenmill.models.weights.native_weights import KernelCall, KernelWeight
 
 
 class LlamaAttention(nn.Module):
@@ -150,8 +150,8 @@ def native_decode_layers(model: LlamaForCausalLM) -> DecodeLayers | None:
     ``capabilities.decode_layers``) bound to the packed model's layers, or None where a
     layer takes a step it does not: an attention backend other than the native kernels'
     (or more than one: every layer must share one plan), QK-norm, a norm or gate by
-    PyTorch's ops (or GELU's), or a projection whose packed weight is not one kernel call
-    (``KernelWeight``)."""
+    PyTorch's ops (or GELU's), or a projection whose packed weight is not kernel calls
+    (``KernelWeight``, or a ``StackedRowsWeight`` of them)."""
     kernels, attentions, layers = model.kernels, model.attentions, model.model.layers
     if (kernels is None or not kernels.capabilities.decode_layers
             or len(attentions) != 1 or not isinstance(attentions[0], NativeAttention)
@@ -163,7 +163,7 @@ def native_decode_layers(model: LlamaForCausalLM) -> DecodeLayers | None:
     linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                 layer.mlp.down_proj) for layer in layers]
     if not (all(norm.rms_norm_op is kernels.rms_norm for pair in norms for norm in pair)
-            and all(isinstance(p.packed, KernelWeight) for four in linears for p in four)
+            and all(_kernel_calls(p.packed) for four in linears for p in four)
             and all(four[2].fused or four[2].act_and_mul is kernels.silu_and_mul
                     for four in linears)):
         return None
@@ -173,9 +173,20 @@ def native_decode_layers(model: LlamaForCausalLM) -> DecodeLayers | None:
     for (input_norm, post_norm), four in zip(norms, linears, strict=True):
         stack.add_layer(input_norm.weight.data, post_norm.weight.data, not four[2].fused)
         for projection in four:
-            call = projection.packed.kernel_call()
-            stack.add_linear(call.op, call.weight_args, call.trailing_args)
+            first, *parts = _kernel_calls(projection.packed)
+            stack.add_linear(first.op, first.weight_args, first.trailing_args)
+            for call in parts:
+                stack.add_linear_part(call.op, call.weight_args, call.trailing_args)
     return stack
+
+
+def _kernel_calls(packed: PackedWeight) -> list[KernelCall]:
+    """The kernel calls that compute ``packed``: its own, or one per part of a weight packed
+    in parts (``StackedRowsWeight``); none where some part is not one kernel call."""
+    parts = packed.parts if isinstance(packed, StackedRowsWeight) else [packed]
+    if not all(isinstance(part, KernelWeight) for part in parts):
+        return []
+    return [part.kernel_call() for part in parts]
 
 
 FAMILY = ModelFamily("LlamaForCausalLM", "llama", gguf_permutes_qk=True)
