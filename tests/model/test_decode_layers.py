@@ -26,7 +26,7 @@ from tokenmill.kernels import KernelUnavailableError
 from tokenmill.kernels.native import split_rows_per_thread
 from tokenmill.models.attention.native import NativePrefill
 from tokenmill.models.loader import load_model
-from tokenmill.models.weights.formats import KernelWeightFormat
+from tokenmill.models.weights.formats import KernelWeightFormat, StackedRowsWeight
 from tokenmill.models.weights.quantizations import choose_weight_format, resolve_dtype
 
 CPU = torch.device("cpu")
@@ -330,3 +330,25 @@ def test_a_build_without_the_fused_call_takes_the_modules(tiny_model_dir, native
     assert native.capabilities.decode_layers
     model = load(tiny_model_dir("llama"), "none", without)
     assert model.decode_layers is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_projection_packed_in_parts_runs_in_the_native_call(tmp_path, native, dtype):
+    """A Q4_K_M file's fused qkv of a Q4_K q and k beside a Q6_K v is packed in parts
+    (``StackedRowsWeight``); the fused call binds one op a part, and equals the modules."""
+    if not native.capabilities.linear(DTYPES[dtype]):
+        pytest.skip(f"this CPU has no native linear kernels for {dtype}: no gguf")
+    path = str(tmp_path / "m.gguf")
+    hf_dir = make_tiny_model_dir(tmp_path / "hf", "llama", hidden_size=256,
+                                 intermediate_size=512, tie_word_embeddings=False)
+    write_gguf(hf_dir, path, GGMLQuantizationType.Q4_K,
+               overrides={"blk.0.attn_v.weight": GGMLQuantizationType.Q6_K})
+    model = load_model(path, DTYPES[dtype], CPU, "gguf", native)[0]
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj.packed, StackedRowsWeight)
+    assert model.decode_layers is not None
+    native_logits, native_caches = decode_steps(model, native=True)
+    module_logits, module_caches = decode_steps(model, native=False)
+    for ours, theirs in zip(native_logits, module_logits, strict=True):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(native_caches, module_caches, strict=True):
+        assert torch.equal(ours, theirs)

@@ -177,6 +177,12 @@ class DecodeLayers(Protocol):
         name and its arguments but ``x`` and the residual (``native_weights.KernelCall``)."""
         ...
 
+    def add_linear_part(self, op_name: str, weight_args: list, trailing_args: list) -> None:
+        """The next part of the projection added last, a weight packed in parts over runs
+        of its output rows (``formats.StackedRowsWeight``): its outputs follow the earlier
+        parts', and the residual is added to them all."""
+        ...
+
     def run(self, h: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[Tensor],
             slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor,
             one_per_sequence: bool) -> Tensor:

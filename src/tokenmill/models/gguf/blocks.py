@@ -52,6 +52,7 @@ SUPPORTED_TYPES = (
     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
     Q.MXFP4,  # gpt-oss's experts: 32 4-bit floats (E2M1) and a power-of-two scale (E8M0)
 )
+DENSE_TYPES = (Q.F32, Q.F16, Q.BF16)  # the float types: every other one is quantized
 Int8Groups = tuple[torch.Tensor, torch.Tensor]  # q, scales
 Int4Plane = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q, scales, mins
 

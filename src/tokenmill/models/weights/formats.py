@@ -124,6 +124,10 @@ class WeightFormat(ABC):
     builds the format's ``packed`` class from a weight and its bias."""
 
     packed: type
+    reads_file_rows = False
+    """Whether ``pack_rows`` takes a weight's values from the file's rows alone: its
+    ``weight`` then gives the shape and dtype only, and the loader leaves it unwritten (no
+    dequantized copy of the file in memory)."""
 
     @staticmethod
     @abstractmethod
@@ -350,6 +354,8 @@ class GGUFFormat(WeightFormat):
     ``FIELD_TYPES``, is split where that changes (``StackedRowsWeight``). The packers read
     the values from the rows alone (``weight`` gives the shape and the dtype)."""
 
+    reads_file_rows = True
+
     def __init__(self, kernels: NativeKernels, dense: WeightFormat, integer: bool) -> None:
         self.kernels = kernels
         self.dense = dense
@@ -428,7 +434,7 @@ class GGUFFormat(WeightFormat):
 
     def _pack_dense(self, weight: torch.Tensor, bias: torch.Tensor | None,
                     rows: list[FileRows]) -> PackedWeight:
-        return self.pack(weight, bias)
+        return self.pack(file_values(rows, weight.dtype), bias)
 
 
 # the weight class of each of FIELD_TYPES
@@ -442,6 +448,8 @@ class LlamaCppFormat(WeightFormat):
     rows of one ``llama_cpp_rounding.VEC_DOT_TYPES`` packed on its own behind the rounding
     of the activations llama.cpp applies for them; split where that type changes
     (``StackedRowsWeight``). A weight ``pack``ed without the file's rows keeps its input."""
+
+    reads_file_rows = True
 
     def __init__(self, dense: WeightFormat) -> None:
         self.dense = dense
@@ -465,7 +473,14 @@ class LlamaCppFormat(WeightFormat):
                   rows: list[FileRows]) -> PackedWeight:
         return _pack_in_runs(weight, bias, rows, lambda r: VEC_DOT_TYPES[r.qtype],
                              lambda _, part, part_bias, run: rounded_weight(
-                                 self.dense.pack(part, part_bias), run))
+                                 self.dense.pack(file_values(run, part.dtype), part_bias),
+                                 run))
+
+
+def file_values(rows: list[FileRows], dtype: torch.dtype) -> torch.Tensor:
+    """The weight ``rows`` (stacked in order) hold, in ``dtype``: each row's values as
+    ``FileRows.dequantize`` gives them, then rounded once."""
+    return torch.cat([r.dequantize() for r in rows]).to(dtype)
 
 
 def _pack_in_runs(weight: torch.Tensor, bias: torch.Tensor | None, rows: list[FileRows],
