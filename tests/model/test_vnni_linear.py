@@ -265,6 +265,26 @@ def test_int8_gguf_kinds_are_their_arithmetic_bit_for_bit(gguf_ops, qtype, dtype
     assert torch.equal(alone, got)
 
 
+@pytest.mark.parametrize("qtype", INT8_GROUPS, ids=lambda q: q.name)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_int8_gguf_kinds_gate_their_float32_sums(gguf_ops, qtype, dtype, rows):
+    """A gated call: each panel's halves are 16 gate and 16 up outputs, and the call gives
+    silu(gate) * up of the plain call's float32 sums (float32 x gives them), rounded
+    once."""
+    blocks = file_rows(qtype, 96, 512, rows)
+    packed = pack_rows(gguf_ops, blocks, None)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)) / 100
+    x = x.to(dtype)  # small: gates of a few units, as in a model
+    sums = packed(x.float()).double().view(rows, 3, 2, 16)
+    expected = (torch.nn.functional.silu(sums[:, :, 0]) * sums[:, :, 1]).reshape(rows, 48)
+    out = packed.linear(x, packed.packed, packed.group_params, 96, None, None, gated=True)
+    assert out.shape == (rows, 48) and out.dtype == dtype
+    relative = 2.0**-8 if dtype == torch.bfloat16 else 1e-6
+    bound = expected.abs() * relative + 1e-6 * expected.abs().max()
+    assert ((out.double() - expected).abs() <= bound).all()
+
+
 def k_fields_as_float16(out_features: int, in_features: int, seed: int):
     """Q4_K fields whose d and dmin are powers of two: each block's scale d sc and minimum
     -(dmin mn) are float16 numbers, so w4a8's float16 kind holds the same weights."""
