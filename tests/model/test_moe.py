@@ -27,13 +27,19 @@ from test_model_families import (
     llama_cpp_convert,
 )
 
+from quantization_hosts import gguf_integer_here
 from tokenmill.errors import ModelLoadError
 from tokenmill.models.gguf.loader import open_gguf
 from tokenmill.models.layers.experts import SparseMoeBlock
 from tokenmill.models.loader import load_model
 from tokenmill.models.registry import resolve_model_class
 from tokenmill.models.weights.formats import GGUFFormat
-from tokenmill.models.weights.native_weights import NativeInt4Weight, NativeInt8GroupWeight
+from tokenmill.models.weights.native_weights import (
+    NativeInt4Weight,
+    NativeInt8GroupWeight,
+    NativeVnniQ8_0Weight,
+    NativeVnniW4A8Weight,
+)
 
 CPU = torch.device("cpu")
 NEW_TOKENS = 30
@@ -152,13 +158,17 @@ def test_experts_run_grouped(tiny_model_dir, monkeypatch):
     assert [n for _, n in calls] == [int((chosen == i).sum()) for i in expected]
 
 
-@pytest.mark.parametrize("qtype,packed", [(GGMLQuantizationType.Q8_0, NativeInt8GroupWeight),
-                                          (GGMLQuantizationType.Q4_0, NativeInt4Weight)])
-def test_experts_keep_the_files_blocks(tiny_model_dir, tmp_path, native, qtype, packed):
+@pytest.mark.parametrize("qtype,weight_only,integer", [
+    (GGMLQuantizationType.Q8_0, NativeInt8GroupWeight, NativeVnniQ8_0Weight),
+    (GGMLQuantizationType.Q4_0, NativeInt4Weight, NativeVnniW4A8Weight)])
+def test_experts_keep_the_files_blocks(tiny_model_dir, tmp_path, native, qtype, weight_only,
+                                       integer):
     """``--quantization gguf``: every expert's projections compute on the file's own
-    blocks (the native int8 or int4 kernel), and each expert's outputs match those of the
-    file's values in the dtype the format takes here (float32 first; in bfloat16 one
-    rounding of the activations apart, so the whole model's routing may differ)."""
+    blocks (the native int8 or int4 kernel; on a VNNI host the integer ones,
+    ``quantization_hosts.gguf_integer_here``), and each expert's outputs match those of
+    the file's values in the dtype the format takes here (float32 first; in bfloat16, or
+    with the activations rounded to int8, a rounding of the activations apart, so the
+    whole model's routing may differ)."""
     dtype = next((d for d in (torch.float32, torch.bfloat16) if GGUFFormat.supports(d, native)),
                  None)
     if dtype is None:
@@ -168,7 +178,9 @@ def test_experts_keep_the_files_blocks(tiny_model_dir, tmp_path, native, qtype, 
     ours, _ = load_model(path, dtype, CPU, quantization="gguf", kernels=native)
     dense, _ = load_model(path, dtype, CPU)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    integer_here = gguf_integer_here(native.capabilities)
+    packed = integer if integer_here else weight_only
+    tolerance = 1e-5 if dtype == torch.float32 and not integer_here else 2e-2
     for block, reference in zip(experts_of(ours), experts_of(dense), strict=True):
         for expert, same in zip(block.experts, reference.experts, strict=True):
             assert type(expert.down_proj.packed) is packed
