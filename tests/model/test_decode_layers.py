@@ -184,11 +184,11 @@ def test_one_native_call_equals_the_layer_modules(tiny_model_dir, native, varian
 
 
 # a GGUF file's own blocks (--quantization gguf): Q8_0 (a scale per 32 inputs) and Q4_1
-# (one 4-bit plane), and a Q4_K_M-like mix (Q4_K, Q6_K for a down projection and the
-# untied head; a fused qkv of two types would be split, which the fused call does not
-# take), on the integer kernels of a VNNI host (quantization_hosts.gguf_integer_here),
-# else the weight-only int8 and int4 ones
-Q4_K_M = {"blk.1.ffn_down.weight": GGMLQuantizationType.Q6_K,
+# (one 4-bit plane), and a Q4_K_M-like mix (Q4_K, Q6_K for a v, whose qkv is packed in
+# parts, a down projection and the untied head), on the integer kernels of a VNNI host
+# (quantization_hosts.gguf_integer_here), else the weight-only int8 and int4 ones
+Q4_K_M = {"blk.0.attn_v.weight": GGMLQuantizationType.Q6_K,
+          "blk.1.ffn_down.weight": GGMLQuantizationType.Q6_K,
           "output.weight": GGMLQuantizationType.Q6_K}
 
 
@@ -207,9 +207,10 @@ def test_one_native_call_on_a_gguf_files_blocks_equals_the_layer_modules(
         write_gguf(tiny_model_dir("llama"), path, GGMLQuantizationType[qtype])
     model = load_model(path, DTYPES[dtype], CPU, "gguf", native)[0]
     if gguf_integer_here(native.capabilities):
-        assert {type(p.packed).__name__ for layer in model.model.layers
+        assert {type(part).__name__ for layer in model.model.layers
                 for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                          layer.mlp.gate_up_proj, layer.mlp.down_proj)} == INTEGER_KINDS[qtype]
+                          layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                for part in getattr(p.packed, "parts", [p.packed])} == INTEGER_KINDS[qtype]
     assert model.decode_layers is not None
     native_logits, native_caches = decode_steps(model, native=True)
     module_logits, module_caches = decode_steps(model, native=False)
