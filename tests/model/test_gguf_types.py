@@ -570,3 +570,22 @@ def test_integer_routes_stay_within_the_rounding_of_activations(k_model_dir, tmp
         assert (got - expected).norm() <= 2.5 * bf16_error
         if qtype == Q.Q8_0:
             assert greedy_generate(integer, PROMPT, 8) == greedy_generate(reference, PROMPT, 8)
+
+
+def test_q4_0_rows_whose_minimum_float16_cannot_hold_take_the_int4_kernel(native):
+    """Q4_0's minimum -8 d overflows float16 for d above 8188: such rows keep the int4
+    kernel's float32 scales and minimums (exact), the others take w4a8's float16 ones."""
+    if not gguf_integer_here(native.capabilities):
+        pytest.skip("the integer routes need a CPU with AVX512-VNNI")
+    rng = np.random.default_rng(10)
+    fmt = choose_weight_format(F32, CPU, "gguf", native)
+    for d, kind in [(0.05, NativeVnniW4A8Weight), (1e4, NativeInt4Weight)]:
+        data = random_blocks(Q.Q4_0, 32, 256, rng, 0.05)
+        blocks = data.reshape(-1, 18)
+        blocks[:, :2] = np.full((blocks.shape[0], 1), d, np.float16).view(np.uint8)
+        rows = FileRows(Q.Q4_0, data, 256)
+        packed = fmt.pack_rows(torch.empty(32, 256), None, [rows])
+        assert type(packed) is kind
+        got = packed(torch.eye(256)).t()
+        bound = rows.dequantize().abs() * 2.0**-20 + 2.0**-20 * rows.dequantize().abs().max()
+        assert ((got - rows.dequantize()).abs() <= bound).all()
