@@ -6,7 +6,11 @@ the format's dtype (the host's ``auto`` dtype, or float32 for the AVX2 w4a8 kern
 it. With ``--gguf`` the columns are instead ``none`` and ``--quantization gguf``'s kernels
 over random valid blocks of a GGUF file's Q4_K, Q6_K and Q8_0 types, each by both of its
 routes: the weight-only int4 and int8-group kernels (``wo``, a host without AVX512-VNNI)
-and the integer ones over int8 activations (``int``, a VNNI host). Per shape and row count
+and the integer ones over int8 activations (``int``, a VNNI host). With ``--dense`` (a VNNI
+host) the columns are ``none`` and, per type, the integer route's two paths over the same
+packed weight in bfloat16: its integer kernel (``int``) and the bfloat16 matmul over the
+weight dequantized at the call (``dense``, ``DenseAtRowsWeight.dense_product``: what
+``DENSE_ROWS`` rows and more take on an AMX host); the head is left out. Per shape and row count
 the table gives each column's median time over ``--repeats`` timed runs of ``--calls``
 calls, and its speed against ``none``.
 
@@ -16,7 +20,7 @@ projections and times them in a decode step's order, layer after layer, so that 
 larger than the cache streams from memory (the head: one copy). ``--threads``: the
 kernels' threads (default: PyTorch's). Usage::
 
-    python benchmarks/linear_kernels.py [--shapes smollm2|llama1b] [--gguf] [--layers 1]
+    python benchmarks/linear_kernels.py [--shapes smollm2|llama1b] [--gguf | --dense] [--layers 1]
                                         [--rows 1 16 64 256] [--calls 20] [--repeats 5]
                                         [--threads N] [--out FILE]
 """
@@ -24,6 +28,7 @@ kernels' threads (default: PyTorch's). Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import statistics
 import time
@@ -41,6 +46,7 @@ from tokenmill.hardware import cpu_flags
 from tokenmill.kernels import native_kernels
 from tokenmill.models.gguf.blocks import FileRows
 from tokenmill.models.weights.formats import GGUFFormat
+from tokenmill.models.weights.native_weights import DenseAtRowsWeight, KernelWeight
 from tokenmill.models.weights.quantizations import choose_weight_format, resolve_dtype
 
 CPU = torch.device("cpu")
@@ -116,6 +122,32 @@ def gguf_packer(fmt: GGUFFormat, qtype: Q, dtype: torch.dtype) -> Packer:
     return pack
 
 
+def dense_formats_here() -> dict[str, tuple[torch.dtype, Packer]]:
+    """``none`` and, per type of ``GGUF_TYPES``, the two paths of ``--quantization gguf``'s
+    integer route in bfloat16: the VNNI kernel (``int``) and the matmul over the weight
+    dequantized at each call (``dense``)."""
+    kernels = native_kernels()
+    dtype = torch.bfloat16
+    dense = choose_weight_format(dtype, CPU, "none", kernels)
+    integer = GGUFFormat.build(dtype, kernels, dense)
+    if not integer.integer:
+        raise SystemExit("--dense needs the VNNI kernels (AVX512-VNNI)")
+    found = {"none": (dtype, dense_packer(dense, dtype))}
+    for qtype in GGUF_TYPES:
+        pack = gguf_packer(integer, qtype, dtype)
+        found[f"{qtype.name} int"] = (dtype, path_packer(pack, KernelWeight.__call__))
+        found[f"{qtype.name} dense"] = (dtype, path_packer(pack, DenseAtRowsWeight.dense_product))
+    return found
+
+
+def path_packer(pack: Packer, path: Callable) -> Packer:
+    """``pack``'s weights, each called by ``path(weight, x)``."""
+    def pack_path(out_features: int, in_features: int, gen: torch.Generator,
+                  head: bool = False):
+        return functools.partial(path, pack(out_features, in_features, gen, head))
+    return pack_path
+
+
 def time_calls(packed, x: torch.Tensor, calls: int, repeats: int) -> float:
     """Median milliseconds per call."""
     packed(x)
@@ -180,7 +212,9 @@ def measure(name: str, dtype: torch.dtype, pack: Packer, shapes, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", choices=tuple(SHAPES), default="smollm2")
-    parser.add_argument("--gguf", action="store_true")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--gguf", action="store_true")
+    kind.add_argument("--dense", action="store_true")
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--calls", type=int, default=20)
@@ -191,7 +225,11 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     shapes = SHAPES[args.shapes]
-    columns = gguf_formats_here() if args.gguf else formats_here()
+    if args.dense:
+        shapes = tuple(s for s in shapes if s[0] != "head")
+        columns = dense_formats_here()
+    else:
+        columns = gguf_formats_here() if args.gguf else formats_here()
     times = {name: measure(name, dtype, pack, shapes, args)
              for name, (dtype, pack) in columns.items()}
     results = [{"shape": shape, "out_features": out_features, "in_features": in_features,

@@ -44,6 +44,13 @@ def gguf_integer_here(capabilities: KernelCapabilities | None) -> bool:
     return capabilities is not None and capabilities.vnni_linear
 
 
+def gguf_dense_rows_here(capabilities: KernelCapabilities | None) -> bool:
+    """Whether the VNNI kinds (``gguf_integer_here``) take calls of bfloat16 activations
+    from ``DenseAtRowsWeight.DENSE_ROWS`` rows on oneDNN's bfloat16 matmul over their
+    dequantized weight: with AMX tiles too."""
+    return gguf_integer_here(capabilities) and capabilities.amx
+
+
 def batch_invariant_here(dtype: torch.dtype, capabilities: KernelCapabilities | None,
                          device: torch.device = CPU) -> bool:
     """Whether ``batch_invariant`` (native linear kernels only) runs in ``dtype`` on

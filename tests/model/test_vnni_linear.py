@@ -6,20 +6,25 @@ arithmetic step for step or w4a8's kind bit for bit."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf_writer import random_blocks
 
-from quantization_hosts import gguf_integer_here
+from quantization_hosts import gguf_dense_rows_here, gguf_integer_here
 from tokenmill.models.gguf.blocks import FileRows
 from tokenmill.models.weights.native_weights import (
+    DenseAtRowsWeight,
+    KernelWeight,
     NativeVnniQ4KWeight,
     NativeVnniQ6KWeight,
     NativeVnniQ8_0Weight,
     NativeVnniW4A8Weight,
     NativeW8A8Weight,
+    interleave_gate_up,
 )
 from tokenmill.models.weights.quantize import quantize_int8_rows, quantize_q4_1_groups
 
@@ -374,3 +379,90 @@ def test_gguf_kinds_reject_bad_input(gguf_ops):
         q6_k.linear(x, q6_k.packed, q4_k.group_params, 64, None, None)
     with pytest.raises(RuntimeError, match="params"):
         q6_k.linear(x, q6_k.packed, q6_k.group_params[:, :-1], 64, None, None)
+
+
+# --- the dense path: the packed weight dequantized to bfloat16 for a call of many rows
+
+
+def pack_file_rows(ops, rows: FileRows, dtype: torch.dtype,
+                   bias: torch.Tensor | None = None) -> DenseAtRowsWeight:
+    """``rows`` in their VNNI kind for ``dtype`` activations: Q4_0 and Q4_1 as w4a8's
+    float16 scales and minimums (``GGUFFormat``'s route), the others their own fields."""
+    shape = torch.empty(1, dtype=dtype).expand(*rows.shape)
+    if rows.qtype in (Q.Q4_0, Q.Q4_1):
+        q, scales, mins = rows.int4_planes()[0]
+        return NativeVnniW4A8Weight(ops, shape, bias, (q, scales.half(), mins.half()))
+    return GGUF_KINDS[rows.qtype](ops, shape, bias, rows.own_fields())
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_1, Q.Q4_0])
+@pytest.mark.parametrize("out_features", [64, 70])
+def test_dequantize_is_the_file_values_rounded_to_bfloat16(gguf_ops, qtype, out_features):
+    """Bit for bit, a partial last panel and (Q8_0, Q4_x) a last chunk of 32 inputs too;
+    Q4_0 as numbers: w4a8 takes it as ``d q + (-8 d)``, +0 where the file's ``d (q - 8)``
+    is -0."""
+    in_features = 512 if qtype in (Q.Q4_K, Q.Q6_K) else 288
+    rows = file_rows(qtype, out_features, in_features, seed=out_features)
+    dense = pack_file_rows(gguf_ops, rows, torch.float32).dense_weight()
+    expected = rows.dequantize().bfloat16()
+    assert dense.dtype == torch.bfloat16 and dense.shape == expected.shape
+    if qtype == Q.Q4_0:
+        assert torch.equal(dense, expected)
+    else:
+        assert torch.equal(dense.view(torch.int16), expected.view(torch.int16))
+
+
+def test_dequantize_rejects_bad_input(gguf_ops):
+    w = pack_file_rows(gguf_ops, file_rows(Q.Q4_K, 64, 256, seed=1), torch.float32)
+    dequantize = gguf_ops.vnni_linear().dequantize
+    with pytest.raises(RuntimeError, match="kind must be"):
+        dequantize("q5_k", w.packed, w.group_params, 64, 256)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        dequantize("q4_k", w.packed, w.group_params, 64, 512)
+    with pytest.raises(RuntimeError, match="params must be"):
+        dequantize("q4_k", w.packed, w.group_params[:, 1:].contiguous(), 64, 256)
+
+
+@pytest.fixture
+def dense_ops(native):
+    """The kernels, where the VNNI kinds take many bfloat16 rows densely
+    (``quantization_hosts``)."""
+    if not gguf_dense_rows_here(native.capabilities):
+        pytest.skip("the dense path of the VNNI kinds needs AVX512-VNNI and AMX tiles")
+    return native
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_1])
+def test_calls_from_dense_rows_take_the_bfloat16_product(dense_ops, qtype):
+    """From ``DENSE_ROWS`` rows: ``F.linear`` over the dequantized weight (+ residual);
+    below: the integer kernel, each row as in any batch of it."""
+    in_features = 512
+    rows = file_rows(qtype, 96, in_features, seed=3)
+    gen = torch.Generator().manual_seed(3)
+    bias = torch.randn(96, generator=gen).bfloat16()
+    w = pack_file_rows(dense_ops, rows, torch.bfloat16, bias)
+    n = DenseAtRowsWeight.DENSE_ROWS
+    assert n > 64  # the engine's default max_num_seqs: decode rows take the integer kernel
+    x = torch.randn(n, in_features, generator=gen).bfloat16()
+    residual = torch.randn(n, 96, generator=gen).bfloat16()
+    product = torch.nn.functional.linear(x, w.dense_weight(), bias)
+    assert torch.equal(w(x), product)
+    assert torch.equal(w.add(x, residual), residual + product)
+    integer = KernelWeight.__call__(w, x)
+    assert not torch.equal(integer, product)
+    assert torch.equal(w(x[:n - 1]), integer[:n - 1])
+    assert torch.equal(w.add(x[:n - 1], residual[:n - 1]),
+                       KernelWeight.add(w, x, residual)[:n - 1])
+
+
+def test_gated_call_from_dense_rows_gates_the_bfloat16_product(dense_ops):
+    in_features, intermediate = 256, 64
+    gen = torch.Generator().manual_seed(4)
+    weight = (torch.randn(2 * intermediate, in_features, generator=gen) * 0.05).bfloat16()
+    w = NativeVnniW4A8Weight(dense_ops, interleave_gate_up(weight), None)
+    w.linear = functools.partial(w.linear, gated=True)
+    x = torch.randn(DenseAtRowsWeight.DENSE_ROWS, in_features, generator=gen).bfloat16()
+    dense = w.dense_weight()
+    gate, up = torch.nn.functional.linear(x, dense.view(-1, 2, 16, in_features).transpose(
+        0, 1).reshape(2 * intermediate, in_features)).chunk(2, dim=1)
+    assert torch.equal(w(x), torch.nn.functional.silu(gate) * up)

@@ -36,13 +36,15 @@ class VnniLinearKernels:
     """The linear kernels over int8 or 4-bit weights times activations quantized to int8
     (AVX512-VNNI), for bfloat16 or float32 activations alike: quantized here (w8a8, w4a8;
     w4a8 also a GGUF file's Q4_0 and Q4_1 blocks) or a GGUF file's own blocks (q4_k, q8_0,
-    q6_k)."""
+    q6_k); and ``dequantize``, the dense bfloat16 weight a packed one of w4a8 or of a
+    file's kind holds."""
 
     w8a8: sig.W8A8Linear
     w4a8: sig.W4A8Linear
     q4_k: sig.GGUFBlocksLinear
     q8_0: sig.GGUFBlocksLinear
     q6_k: sig.GGUFBlocksLinear
+    dequantize: sig.VnniDequantize
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +87,7 @@ class NativeKernels:
         ops = torch.ops.tokenmill
         return VnniLinearKernels(ops.vnni_w8a8_linear, ops.vnni_w4a8_linear,
                                  ops.vnni_q4_k_linear, ops.vnni_q8_0_linear,
-                                 ops.vnni_q6_k_linear)
+                                 ops.vnni_q6_k_linear, ops.vnni_dequantize)
 
     def decode_layers(self, eps: float, num_heads: int, num_kv_heads: int, head_dim: int,
                       scale: float, window: int) -> sig.DecodeLayers:

@@ -162,6 +162,17 @@ class GGUFBlocksLinear(Protocol):
         ...
 
 
+class VnniDequantize(Protocol):
+    def __call__(self, kind: str, packed: Tensor, params: Tensor, out_features: int,
+                 in_features: int) -> Tensor:
+        """The dense ``[out_features, in_features]`` bfloat16 weight a packed weight of
+        ``kind`` holds (``"q4_k"``, ``"q6_k"``, ``"q8_0"``: ``GGUFBlocksLinear``'s layouts;
+        ``"w4a8"``: ``native_weights.NativeVnniW4A8Weight``'s): each value the kind's own
+        float32 value (a GGUF file's dequantization, bit for bit) rounded once to
+        bfloat16."""
+        ...
+
+
 class DecodeLayers(Protocol):
     """A Llama decoder stack bound layer by layer (``decode_layers.cpp``): one call runs a
     step's rows through every layer with the kernels, and the arguments, the layer modules

@@ -19,6 +19,13 @@
 //          inputs of an output and a float16 d per super-block of 256 (GGUF Q6_K; d * sc
 //          exact in float32)
 //
+//   vnni_dequantize(kind, packed, params, N, K) -> [N, K] bfloat16
+//       -> the dense weight a packed one of kind "q4_k", "q6_k", "q8_0" or "w4a8" holds:
+//          each value the kind's own float32 value (q4_k: d * sc * q - dmin * mn; q6_k:
+//          d * sc * (q - 32); q8_0: d * q; w4a8: scale * q + min), the GGUF file's
+//          dequantization bit for bit, rounded once to bfloat16 (what a prefill's rows
+//          multiply on bfloat16 matmuls)
+//
 // x is bfloat16 or float32, and so are bias, residual and the output. With gated=True (no
 // bias or residual, N a multiple of 32) each panel's two halves are 16 gate outputs and the
 // same 16 up outputs of a gated MLP (its gate/up rows interleaved in blocks of 16,
@@ -697,6 +704,165 @@ at::Tensor vnni_q6_k_linear(const at::Tensor& x, const at::Tensor& packed,
                           16 * Q6K::kBlock, "native_weights.NativeVnniQ6KWeight");
 }
 
+// vnni_dequantize: each kind's map of a block's stored values u (the bytes the packed
+// records hold) to the file's float32 values, in the arithmetic the file's dequantization
+// does: products exact in float32, then at most one rounded addition.
+inline float half_at(const uint8_t* src) {
+  uint16_t bits;
+  std::memcpy(&bits, src, sizeof(bits));
+  return _cvtsh_ss(bits);
+}
+
+inline __m512 as_floats(__m512i u, int offset) {
+  return _mm512_cvtepi32_ps(_mm512_sub_epi32(u, _mm512_set1_epi32(offset)));
+}
+
+struct DenseQ8_0 {
+  static constexpr int64_t kBlock = Q8_0::kBlock, kRecordBytes = Q8_0::kRecordBytes;
+  static constexpr int64_t kMultiple = kBlock, kParamBytes = Q8_0::kParamBytes;
+  static constexpr bool kNibbles = false;
+  // d * q
+  static inline __m512 values(__m512i u, const uint8_t* params, int64_t o, int64_t b) {
+    return _mm512_mul_ps(_mm512_set1_ps(half_at(params + b * kParamBytes + 2 * o)),
+                         as_floats(u, 128));
+  }
+};
+
+struct DenseQ6K {
+  static constexpr int64_t kBlock = Q6K::kBlock, kRecordBytes = Q6K::kRecordBytes;
+  static constexpr int64_t kSuper = 16, kMultiple = kSuper * kBlock;
+  static constexpr int64_t kParamBytes = Q6K::kParamBytes;
+  static constexpr bool kNibbles = false;
+  // (d * sc) * (q - 32)
+  static inline __m512 values(__m512i u, const uint8_t* params, int64_t o, int64_t b) {
+    const uint8_t* super = params + b / kSuper * Q6K::kSuperBytes;
+    const float d = half_at(super + kSuper * kPanel + 2 * o);
+    const float sc = static_cast<float>(static_cast<int8_t>(super[b % kSuper * kPanel + o]));
+    return _mm512_mul_ps(_mm512_set1_ps(d * sc), as_floats(u, 32));
+  }
+};
+
+struct DenseQ4K {
+  static constexpr int64_t kBlock = W4K::kBlock, kRecordBytes = W4K::kRecordBytes;
+  static constexpr int64_t kMultiple = W4K::kSuper * kBlock, kParamBytes = W4K::kParamBytes;
+  static constexpr bool kNibbles = true;
+  // (d * sc) * q - (dmin * mn)
+  static inline __m512 values(__m512i u, const uint8_t* params, int64_t o, int64_t b) {
+    const uint8_t* super = params + b / W4K::kSuper * W4K::kSuperBytes;
+    const uint8_t* sc = super + b % W4K::kSuper * 2 * kPanel;
+    const uint8_t* d = super + W4K::kSuper * 2 * kPanel;
+    const float scale = half_at(d + 2 * o) * static_cast<float>(sc[o]);
+    const float min = half_at(d + 2 * kPanel + 2 * o) * static_cast<float>(sc[kPanel + o]);
+    return _mm512_fmsub_ps(_mm512_set1_ps(scale), as_floats(u, 0), _mm512_set1_ps(min));
+  }
+};
+
+struct DenseW4A8 {
+  static constexpr int64_t kBlock = W4::kBlock, kRecordBytes = W4::kRecordBytes;
+  static constexpr int64_t kMultiple = kBlock, kParamBytes = W4::kParamBytes;
+  static constexpr bool kNibbles = true;
+  // scale * q + min
+  static inline __m512 values(__m512i u, const uint8_t* params, int64_t o, int64_t b) {
+    const uint8_t* block = params + b * kParamBytes;
+    return _mm512_fmadd_ps(_mm512_set1_ps(half_at(block + 2 * o)), as_floats(u, 0),
+                           _mm512_set1_ps(half_at(block + 2 * kPanel + 2 * o)));
+  }
+};
+
+// The values of output o of a panel (its row at `row`, K inputs) for inputs c ..
+// c + width, width 32 or 64, from their stored values u (byte i of `u`: input c + i).
+template <typename D>
+inline void dense_chunk(__m512i u, const uint8_t* params, int64_t o, int64_t c, int64_t width,
+                        uint16_t* row) {
+  alignas(64) uint8_t bytes[64];
+  _mm512_store_si512(bytes, u);
+  for (int64_t t = 0; t < width / 16; ++t) {
+    const __m512i part =
+        _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(bytes + 16 * t)));
+    const __m512 w = D::values(part, params, o, (c + 16 * t) / D::kBlock);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + c + 16 * t), round_to_bf16(w));
+  }
+}
+
+// Panel p's `outputs` (at most 32) rows of the dense weight at out ([outputs, K]): output
+// o's 64 inputs at a time, one gather of their 16 records' lanes (a nibble panel's lane
+// holds outputs o and 16 + o).
+template <typename D>
+void dense_panel(const uint8_t* panel, const uint8_t* params, int64_t k, int64_t outputs,
+                 uint16_t* out) {
+  const __m512i records = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int32_t>(D::kRecordBytes)));
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  const int64_t lanes = D::kNibbles ? 16 : kPanel;
+  for (int64_t o = 0; o < std::min(lanes, outputs); ++o) {
+    const int64_t lane = D::kNibbles ? 4 * o : o / 16 * 64 + o % 16 * 4;
+    for (int64_t c = 0; c < k; c += 64) {
+      const int64_t width = std::min<int64_t>(64, k - c);
+      const __m512i u = _mm512_mask_i32gather_epi32(
+          _mm512_setzero_si512(), static_cast<__mmask16>(first_lanes(width / 4)), records,
+          panel + c / 4 * D::kRecordBytes + lane, 1);
+      if constexpr (D::kNibbles) {
+        dense_chunk<D>(_mm512_and_si512(u, nibble), params, o, c, width, out + o * k);
+        if (16 + o < outputs) {
+          dense_chunk<D>(_mm512_and_si512(_mm512_srli_epi16(u, 4), nibble), params, 16 + o, c,
+                         width, out + (16 + o) * k);
+        }
+      } else {
+        dense_chunk<D>(u, params, o, c, width, out + o * k);
+      }
+    }
+  }
+}
+
+template <typename D>
+at::Tensor dequantize(const at::Tensor& packed, const at::Tensor& params, int64_t n, int64_t k,
+                      const char* layout) {
+  const int64_t panels = panels_for(n);
+  TORCH_CHECK(n > 0 && k > 0 && k % D::kMultiple == 0, "in_features must be a positive "
+              "multiple of ", D::kMultiple, " and out_features positive");
+  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
+                  packed.size(0) == panels && packed.size(1) == k / 4 * D::kRecordBytes,
+              "packed must be ", layout, "'s packing of an [out_features, in_features] weight");
+  TORCH_CHECK(params.is_contiguous() && params.dim() >= 1 && params.size(0) == panels &&
+                  params.nbytes() == static_cast<size_t>(panels * k / D::kBlock *
+                                                         D::kParamBytes),
+              "params must be ", layout, "'s parameters of an [out_features, in_features] "
+              "weight");
+  at::Tensor out = at::empty({n, k}, packed.options().dtype(at::kBFloat16));
+  const auto* weights = packed.data_ptr<uint8_t>();
+  const auto* param_bytes = static_cast<const uint8_t*>(params.data_ptr());
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      dense_panel<D>(weights + p * packed.size(1), param_bytes + p * (k / D::kBlock) *
+                     D::kParamBytes, k, std::min(kPanel, n - p * kPanel),
+                     dst + p * kPanel * k);
+    }
+  });
+  return out;
+}
+
+at::Tensor vnni_dequantize(c10::string_view kind, const at::Tensor& packed,
+                           const at::Tensor& params, int64_t out_features,
+                           int64_t in_features) {
+  if (kind == "q4_k") {
+    return dequantize<DenseQ4K>(packed, params, out_features, in_features,
+                                "native_weights.NativeVnniQ4KWeight");
+  }
+  if (kind == "q6_k") {
+    return dequantize<DenseQ6K>(packed, params, out_features, in_features,
+                                "native_weights.NativeVnniQ6KWeight");
+  }
+  if (kind == "q8_0") {
+    return dequantize<DenseQ8_0>(packed, params, out_features, in_features,
+                                 "native_weights.NativeVnniQ8_0Weight");
+  }
+  TORCH_CHECK(kind == "w4a8", "kind must be q4_k, q6_k, q8_0 or w4a8, not ", kind);
+  return dequantize<DenseW4A8>(packed, params, out_features, in_features,
+                               "native_weights.NativeVnniW4A8Weight");
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
@@ -710,6 +876,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
         "Tensor? bias, Tensor? residual, bool gated=False) -> Tensor");
   m.def("vnni_q6_k_linear(Tensor x, Tensor packed, Tensor params, int out_features, "
         "Tensor? bias, Tensor? residual, bool gated=False) -> Tensor");
+  m.def("vnni_dequantize(str kind, Tensor packed, Tensor params, int out_features, "
+        "int in_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
@@ -718,6 +886,7 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("vnni_q4_k_linear", &vnni_q4_k_linear);
   m.impl("vnni_q8_0_linear", &vnni_q8_0_linear);
   m.impl("vnni_q6_k_linear", &vnni_q6_k_linear);
+  m.impl("vnni_dequantize", &vnni_dequantize);
 }
 
 #endif  // AVX512-VNNI

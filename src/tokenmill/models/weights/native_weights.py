@@ -308,6 +308,65 @@ def _panel_params(per_block: list[torch.Tensor], per_super: list[torch.Tensor],
     return torch.cat(parts, dim=2).reshape(panels, -1)
 
 
+class DenseAtRowsWeight(GroupParamsWeight):
+    """A packed weight of w4a8 or of a GGUF file's blocks (``kind``: ``"w4a8"``, ``"q4_k"``,
+    ``"q6_k"``, ``"q8_0"``) on the VNNI integer kernel ``linear`` below ``DENSE_ROWS``
+    rows, and from there, for bfloat16 activations on a host with AMX tiles, on oneDNN's
+    bfloat16 matmul (AMX) over ``dense_weight()``, the weight's values rounded to bfloat16
+    and made for the call alone (the resident memory stays the packed weight's). At a
+    prefill's rows the integer kernel is compute-bound and AMX several times as fast; at a
+    decode's it is memory-bound and the faster. ``DENSE_ROWS`` exceeds the engine's default
+    ``max_num_seqs`` (64), so a decode or verify step's rows always take the integer
+    kernel, and a token's bits do not depend on how many sequences decode beside it.
+    AVX-512 hosts without AMX keep the integer kernel at every row count (their crossover
+    is not measured). A gated call (``pack_silu_gated``) on the dense path gates the
+    bfloat16 product: ``silu(gate) * up``."""
+
+    # the smallest row count at which the dense path was the faster on every projection of
+    # Llama 3.2 1B's (Q4_K, Q6_K, Q8_0), above 64: benchmarks/linear_kernels.py --dense
+    DENSE_ROWS = 128
+
+    kind: str
+
+    def _bind(self, kernels: NativeKernels, dtype: torch.dtype, in_features: int) -> None:
+        """Binds the kind's kernels: ``linear``, the dequantization, and whether calls of
+        ``dtype`` activations take the dense path from ``DENSE_ROWS`` rows."""
+        ops = kernels.vnni_linear()
+        self.linear = getattr(ops, self.kind)
+        self._dequantize = ops.dequantize
+        self.in_features = in_features
+        self.dense_rows = (self.DENSE_ROWS if dtype == torch.bfloat16 and kernels.capabilities.amx
+                           else None)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight ``[out, in]`` bfloat16: each value the kind's float32 value rounded
+        once."""
+        return self._dequantize(self.kind, self.packed, self.group_params, self.out_features,
+                                self.in_features)
+
+    def _dense(self, x: torch.Tensor) -> bool:
+        return (self.dense_rows is not None and x.dtype == torch.bfloat16
+                and x.shape[0] >= self.dense_rows)
+
+    def dense_product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ dense_weight().T + bias`` by oneDNN (gated: ``silu(gate) * up``)."""
+        y = torch.nn.functional.linear(x, self.dense_weight(), self.bias)
+        if isinstance(self.linear, functools.partial) and self.linear.keywords.get("gated"):
+            halves = y.view(y.shape[0], -1, 2, 16)  # interleave_gate_up's panels
+            y = (torch.nn.functional.silu(halves[:, :, 0]) * halves[:, :, 1]).flatten(1)
+        return y
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._dense(x):
+            return self.dense_product(x)
+        return super().__call__(x)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if self._dense(x):
+            return residual + self.dense_product(x)
+        return super().add(x, residual)
+
+
 class NativeW8A8Weight(ScaledWeight):
     """int8 weights with one float32 scale per output row (``quantize_int8_rows``) for
     ``vnni_w8a8_linear``, which quantizes the activations (bfloat16 or float32) to int8 per
@@ -331,7 +390,7 @@ class NativeW8A8Weight(ScaledWeight):
         self.bias = bias
 
 
-class NativeVnniW4A8Weight(GroupParamsWeight):
+class NativeVnniW4A8Weight(DenseAtRowsWeight):
     """4-bit weights in Q4_1's form with float16 scales and minimums for
     ``vnni_w4a8_linear``, which quantizes the activations (bfloat16 or float32) to int8 per
     group of 32 inputs at every call and multiplies integers (AVX512-VNNI): ``groups``
@@ -341,6 +400,7 @@ class NativeVnniW4A8Weight(GroupParamsWeight):
     then the minimums, of each group's 32 outputs. Needs ``in % GROUP == 0``."""
 
     GROUP = 32
+    kind = "w4a8"
 
     def __init__(self, kernels: NativeKernels, weight: torch.Tensor,
                  bias: torch.Tensor | None,
@@ -348,7 +408,7 @@ class NativeVnniW4A8Weight(GroupParamsWeight):
                  ) -> None:
         out_features, in_features = weight.shape
         check_int4_shape(in_features, self.GROUP, "w4a8")
-        self.linear = kernels.vnni_linear().w4a8
+        self._bind(kernels, weight.dtype, in_features)
         if groups is None:
             groups = quantize_q4_1_groups(weight, self.GROUP, torch.float16)
         q, scales, mins = groups
@@ -359,7 +419,7 @@ class NativeVnniW4A8Weight(GroupParamsWeight):
         self.bias = bias
 
 
-class NativeVnniQ4KWeight(GroupParamsWeight):
+class NativeVnniQ4KWeight(DenseAtRowsWeight):
     """A GGUF file's own Q4_K blocks (``FileRows.own_fields()``: ``(q, sc, mn, d, dmin)``,
     ``w = d sc q - dmin mn``) for ``vnni_q4_k_linear``: w4a8's arithmetic, activations
     quantized to int8 per 32 inputs at every call (AVX512-VNNI), with each block's scale
@@ -371,18 +431,19 @@ class NativeVnniQ4KWeight(GroupParamsWeight):
     the shape; ``in`` is whole super-blocks, as GGUF rows are."""
 
     SUPER = 8  # blocks of 32 per super-block
+    kind = "q4_k"
 
     def __init__(self, kernels: NativeKernels, weight: torch.Tensor,
                  bias: torch.Tensor | None, fields: tuple[torch.Tensor, ...]) -> None:
         q, sc, mn, d, dmin = fields
-        self.linear = kernels.vnni_linear().q4_k
+        self._bind(kernels, weight.dtype, weight.shape[1])
         self.packed = _nibble_records(q)
         self.group_params = _panel_params([sc, mn], [d, dmin], self.SUPER)
         self.out_features = weight.shape[0]
         self.bias = bias
 
 
-class NativeVnniQ8_0Weight(GroupParamsWeight):
+class NativeVnniQ8_0Weight(DenseAtRowsWeight):
     """A GGUF file's own Q8_0 blocks (``FileRows.own_fields()``: ``(q, d)``, ``w = d q``)
     for ``vnni_q8_0_linear``, activations quantized to int8 per 32 inputs at every call
     (AVX512-VNNI). ``q + 128`` (unsigned, as VPDPBUSD takes it; the kernel takes the 128s
@@ -390,17 +451,19 @@ class NativeVnniQ8_0Weight(GroupParamsWeight):
     ``group_params`` per panel and block of 32 inputs the 32 outputs' float16 ``d``
     (``_panel_params``): 8.5 bits a weight, the file's. ``weight`` gives the shape."""
 
+    kind = "q8_0"
+
     def __init__(self, kernels: NativeKernels, weight: torch.Tensor,
                  bias: torch.Tensor | None, fields: tuple[torch.Tensor, ...]) -> None:
         q, d = fields
-        self.linear = kernels.vnni_linear().q8_0
+        self._bind(kernels, weight.dtype, weight.shape[1])
         self.packed = _byte_records((q.to(torch.int16) + 128).to(torch.uint8))
         self.group_params = _panel_params([], [d], 1)
         self.out_features = weight.shape[0]
         self.bias = bias
 
 
-class NativeVnniQ6KWeight(GroupParamsWeight):
+class NativeVnniQ6KWeight(DenseAtRowsWeight):
     """A GGUF file's own Q6_K blocks (``FileRows.own_fields()``: ``(q, sc, d)``, ``w = d sc
     (q - 32)``) for ``vnni_q6_k_linear``, activations quantized to int8 per 16 inputs (the
     weights' groups) at every call (AVX512-VNNI), each group's scale ``d sc`` formed in the
@@ -412,11 +475,12 @@ class NativeVnniQ6KWeight(GroupParamsWeight):
     ``in`` is whole super-blocks, as GGUF rows are."""
 
     SUPER = 16  # groups of 16 per super-block
+    kind = "q6_k"
 
     def __init__(self, kernels: NativeKernels, weight: torch.Tensor,
                  bias: torch.Tensor | None, fields: tuple[torch.Tensor, ...]) -> None:
         q, sc, d = fields
-        self.linear = kernels.vnni_linear().q6_k
+        self._bind(kernels, weight.dtype, weight.shape[1])
         self.packed = _byte_records(q)
         self.group_params = _panel_params([sc], [d], self.SUPER)
         self.out_features = weight.shape[0]
