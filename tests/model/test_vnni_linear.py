@@ -455,6 +455,28 @@ def test_calls_from_dense_rows_take_the_bfloat16_product(dense_ops, qtype):
                        KernelWeight.add(w, x, residual)[:n - 1])
 
 
+def test_dense_product_in_chunks_is_the_whole_product(dense_ops):
+    """A weight of several ``DENSE_CHUNK_BYTES`` chunks, the last one partial: oneDNN's
+    product chunk by chunk (within rounding of the whole weight's: its sums' order may
+    depend on the outputs' count)."""
+    in_features = 8192
+    chunk_outputs = DenseAtRowsWeight.DENSE_CHUNK_BYTES // (2 * in_features)
+    out_features = 2 * chunk_outputs + 40
+    rows = file_rows(Q.Q8_0, out_features, in_features, seed=5)
+    gen = torch.Generator().manual_seed(5)
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    w = pack_file_rows(dense_ops, rows, torch.bfloat16, bias)
+    x = torch.randn(DenseAtRowsWeight.DENSE_ROWS, in_features, generator=gen).bfloat16()
+    dense = w.dense_weight()
+    assert torch.equal(dense, rows.dequantize().bfloat16())
+    chunks = [torch.nn.functional.linear(x, dense[i:i + chunk_outputs],
+                                         bias[i:i + chunk_outputs])
+              for i in range(0, out_features, chunk_outputs)]
+    y = w(x)
+    assert torch.equal(y, torch.cat(chunks, dim=1))
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, dense, bias))
+
+
 def test_gated_call_from_dense_rows_gates_the_bfloat16_product(dense_ops):
     in_features, intermediate = 256, 64
     gen = torch.Generator().manual_seed(4)

@@ -325,6 +325,7 @@ class DenseAtRowsWeight(GroupParamsWeight):
     # the smallest row count at which the dense path was the faster on every projection of
     # Llama 3.2 1B's (Q4_K, Q6_K, Q8_0), above 64: benchmarks/linear_kernels.py --dense
     DENSE_ROWS = 128
+    DENSE_CHUNK_BYTES = 4 << 20  # of the dequantized weight, per oneDNN call
 
     kind: str
 
@@ -338,19 +339,30 @@ class DenseAtRowsWeight(GroupParamsWeight):
         self.dense_rows = (self.DENSE_ROWS if dtype == torch.bfloat16 and kernels.capabilities.amx
                            else None)
 
-    def dense_weight(self) -> torch.Tensor:
-        """The weight ``[out, in]`` bfloat16: each value the kind's float32 value rounded
-        once."""
-        return self._dequantize(self.kind, self.packed, self.group_params, self.out_features,
-                                self.in_features)
+    def dense_weight(self, panels: slice = slice(None)) -> torch.Tensor:
+        """The weight's rows in ``panels`` (of ``VNNI_PANEL`` outputs; by default all),
+        ``[rows, in]`` bfloat16: each value the kind's float32 value rounded once."""
+        first, last, _ = panels.indices(self.packed.shape[0])
+        rows = min(last * VNNI_PANEL, self.out_features) - first * VNNI_PANEL
+        return self._dequantize(self.kind, self.packed[first:last],
+                                self.group_params[first:last], rows, self.in_features)
 
     def _dense(self, x: torch.Tensor) -> bool:
         return (self.dense_rows is not None and x.dtype == torch.bfloat16
                 and x.shape[0] >= self.dense_rows)
 
     def dense_product(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ dense_weight().T + bias`` by oneDNN (gated: ``silu(gate) * up``)."""
-        y = torch.nn.functional.linear(x, self.dense_weight(), self.bias)
+        """``x @ dense_weight().T + bias`` by oneDNN, the weight dequantized and multiplied
+        ``DENSE_CHUNK_BYTES`` of it at a time (a chunk stays in cache, and its memory is
+        reused where a whole large weight's would be mapped and faulted in at every call);
+        gated: ``silu(gate) * up``."""
+        step = max(1, self.DENSE_CHUNK_BYTES // (VNNI_PANEL * self.in_features * 2))
+        parts = [torch.nn.functional.linear(
+                     x, self.dense_weight(slice(p, p + step)),
+                     None if self.bias is None
+                     else self.bias[p * VNNI_PANEL:(p + step) * VNNI_PANEL])
+                 for p in range(0, self.packed.shape[0], step)]
+        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         if isinstance(self.linear, functools.partial) and self.linear.keywords.get("gated"):
             halves = y.view(y.shape[0], -1, 2, 16)  # interleave_gate_up's panels
             y = (torch.nn.functional.silu(halves[:, :, 0]) * halves[:, :, 1]).flatten(1)
