@@ -474,7 +474,8 @@ def test_dense_product_in_chunks_is_the_whole_product(dense_ops):
               for i in range(0, out_features, chunk_outputs)]
     y = w(x)
     assert torch.equal(y, torch.cat(chunks, dim=1))
-    torch.testing.assert_close(y, torch.nn.functional.linear(x, dense, bias))
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, dense, bias), rtol=0.016,
+                               atol=1e-3)
 
 
 def test_gated_call_from_dense_rows_gates_the_bfloat16_product(dense_ops):

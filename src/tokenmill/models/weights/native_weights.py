@@ -322,10 +322,14 @@ class DenseAtRowsWeight(GroupParamsWeight):
     is not measured). A gated call (``pack_silu_gated``) on the dense path gates the
     bfloat16 product: ``silu(gate) * up``."""
 
-    # the smallest row count at which the dense path was the faster on every projection of
-    # Llama 3.2 1B's (Q4_K, Q6_K, Q8_0), above 64: benchmarks/linear_kernels.py --dense
-    DENSE_ROWS = 128
-    DENSE_CHUNK_BYTES = 4 << 20  # of the dequantized weight, per oneDNN call
+    # benchmarks/linear_kernels.py --shapes llama1b --dense on a 2-core AMX host: at 128
+    # rows the integer kernel was still the faster on qkv and o (Q4_K 2.3 against 2.9 ms,
+    # 1.4 against 1.9), at 256 the dense path on both (8.4 against 3.3, 2.9 against 2.3)
+    DENSE_ROWS = 256
+    # of the dequantized weight per oneDNN call: under glibc's largest mmap threshold (32
+    # MiB), so a chunk's memory is reused from the heap, not mapped and faulted in anew at
+    # every call; few chunks, few parallel regions
+    DENSE_CHUNK_BYTES = 16 << 20
 
     kind: str
 
@@ -353,9 +357,7 @@ class DenseAtRowsWeight(GroupParamsWeight):
 
     def dense_product(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ dense_weight().T + bias`` by oneDNN, the weight dequantized and multiplied
-        ``DENSE_CHUNK_BYTES`` of it at a time (a chunk stays in cache, and its memory is
-        reused where a whole large weight's would be mapped and faulted in at every call);
-        gated: ``silu(gate) * up``."""
+        ``DENSE_CHUNK_BYTES`` of it at a time (whole panels); gated: ``silu(gate) * up``."""
         step = max(1, self.DENSE_CHUNK_BYTES // (VNNI_PANEL * self.in_features * 2))
         parts = [torch.nn.functional.linear(
                      x, self.dense_weight(slice(p, p + step)),
