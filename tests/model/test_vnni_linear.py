@@ -478,11 +478,21 @@ def test_dense_product_in_chunks_is_the_whole_product(dense_ops):
                                atol=1e-3)
 
 
+def test_weights_quantized_here_keep_the_integer_kernel_at_every_row_count(dense_ops):
+    """``--quantization w4a8`` (``batch_invariant`` may take it): each row alone."""
+    gen = torch.Generator().manual_seed(6)
+    weight = (torch.randn(64, 256, generator=gen) * 0.05).bfloat16()
+    w = NativeVnniW4A8Weight(dense_ops, weight, None)
+    x = torch.randn(DenseAtRowsWeight.DENSE_ROWS, 256, generator=gen).bfloat16()
+    assert torch.equal(w(x), torch.cat([w(row) for row in x.split(1)]))
+
+
 def test_gated_call_from_dense_rows_gates_the_bfloat16_product(dense_ops):
     in_features, intermediate = 256, 64
     gen = torch.Generator().manual_seed(4)
     weight = (torch.randn(2 * intermediate, in_features, generator=gen) * 0.05).bfloat16()
-    w = NativeVnniW4A8Weight(dense_ops, interleave_gate_up(weight), None)
+    groups = quantize_q4_1_groups(interleave_gate_up(weight), GROUP, torch.float16)
+    w = NativeVnniW4A8Weight(dense_ops, weight, None, groups)
     w.linear = functools.partial(w.linear, gated=True)
     x = torch.randn(DenseAtRowsWeight.DENSE_ROWS, in_features, generator=gen).bfloat16()
     dense = w.dense_weight()

@@ -333,15 +333,17 @@ class DenseAtRowsWeight(GroupParamsWeight):
 
     kind: str
 
-    def _bind(self, kernels: NativeKernels, dtype: torch.dtype, in_features: int) -> None:
+    def _bind(self, kernels: NativeKernels, dtype: torch.dtype, in_features: int,
+              dense: bool = True) -> None:
         """Binds the kind's kernels: ``linear``, the dequantization, and whether calls of
-        ``dtype`` activations take the dense path from ``DENSE_ROWS`` rows."""
+        ``dtype`` activations take the dense path from ``DENSE_ROWS`` rows (never without
+        ``dense``)."""
         ops = kernels.vnni_linear()
         self.linear = getattr(ops, self.kind)
         self._dequantize = ops.dequantize
         self.in_features = in_features
-        self.dense_rows = (self.DENSE_ROWS if dtype == torch.bfloat16 and kernels.capabilities.amx
-                           else None)
+        self.dense_rows = (self.DENSE_ROWS if dense and dtype == torch.bfloat16
+                           and kernels.capabilities.amx else None)
 
     def dense_weight(self, panels: slice = slice(None)) -> torch.Tensor:
         """The weight's rows in ``panels`` (of ``VNNI_PANEL`` outputs; by default all),
@@ -411,7 +413,10 @@ class NativeVnniW4A8Weight(DenseAtRowsWeight):
     (``q [out, in]`` in 0..15, ``scales, mins [out, in / GROUP]`` float16) where given (a
     GGUF Q4_0 or Q4_1 file's own values, exactly), else quantized from ``weight``.
     ``_nibble_records``' layout; ``group_params [panels, K / GROUP, 2, 32]`` the scales,
-    then the minimums, of each group's 32 outputs. Needs ``in % GROUP == 0``."""
+    then the minimums, of each group's 32 outputs. Needs ``in % GROUP == 0``. Only a
+    file's values (``groups`` given) take ``DENSE_ROWS`` rows densely: weights quantized
+    here (``--quantization w4a8``, which ``batch_invariant`` may take) keep the integer
+    kernel, each row alone, at every row count."""
 
     GROUP = 32
     kind = "w4a8"
@@ -422,7 +427,7 @@ class NativeVnniW4A8Weight(DenseAtRowsWeight):
                  ) -> None:
         out_features, in_features = weight.shape
         check_int4_shape(in_features, self.GROUP, "w4a8")
-        self._bind(kernels, weight.dtype, in_features)
+        self._bind(kernels, weight.dtype, in_features, dense=groups is not None)
         if groups is None:
             groups = quantize_q4_1_groups(weight, self.GROUP, torch.float16)
         q, scales, mins = groups
