@@ -165,6 +165,17 @@ def test_batches_with_prompt_rows_through_one_native_call_equal_the_layer_module
         assert torch.equal(ours, theirs)
 
 
+def assert_fused_call_equals_modules(model) -> None:
+    """The same decode steps through the fused call and through the layer modules give the
+    same logits and caches, bit for bit."""
+    native_logits, native_caches = decode_steps(model, native=True)
+    module_logits, module_caches = decode_steps(model, native=False)
+    for ours, theirs in zip(native_logits, module_logits, strict=True):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(native_caches, module_caches, strict=True):
+        assert torch.equal(ours, theirs)
+
+
 @pytest.mark.parametrize("variant", FAMILIES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
@@ -175,12 +186,7 @@ def test_one_native_call_equals_the_layer_modules(tiny_model_dir, native, varian
         assert model.decode_layers is None  # PyTorch's kernels: the modules run
         return
     assert model.decode_layers is not None
-    native_logits, native_caches = decode_steps(model, native=True)
-    module_logits, module_caches = decode_steps(model, native=False)
-    for ours, theirs in zip(native_logits, module_logits, strict=True):
-        assert torch.equal(ours, theirs)
-    for ours, theirs in zip(native_caches, module_caches, strict=True):
-        assert torch.equal(ours, theirs)
+    assert_fused_call_equals_modules(model)
 
 
 # a GGUF file's own blocks (--quantization gguf): Q8_0 (a scale per 32 inputs) and Q4_1
@@ -212,12 +218,7 @@ def test_one_native_call_on_a_gguf_files_blocks_equals_the_layer_modules(
                           layer.mlp.gate_up_proj, layer.mlp.down_proj)
                 for part in getattr(p.packed, "parts", [p.packed])} == INTEGER_KINDS[qtype]
     assert model.decode_layers is not None
-    native_logits, native_caches = decode_steps(model, native=True)
-    module_logits, module_caches = decode_steps(model, native=False)
-    for ours, theirs in zip(native_logits, module_logits, strict=True):
-        assert torch.equal(ours, theirs)
-    for ours, theirs in zip(native_caches, module_caches, strict=True):
-        assert torch.equal(ours, theirs)
+    assert_fused_call_equals_modules(model)
 
 
 @pytest.mark.parametrize("variant", ["llama", "mistral"])
@@ -347,9 +348,4 @@ def test_a_projection_packed_in_parts_runs_in_the_native_call(tmp_path, native, 
     model = load_model(path, DTYPES[dtype], CPU, "gguf", native)[0]
     assert isinstance(model.model.layers[0].self_attn.qkv_proj.packed, StackedRowsWeight)
     assert model.decode_layers is not None
-    native_logits, native_caches = decode_steps(model, native=True)
-    module_logits, module_caches = decode_steps(model, native=False)
-    for ours, theirs in zip(native_logits, module_logits, strict=True):
-        assert torch.equal(ours, theirs)
-    for ours, theirs in zip(native_caches, module_caches, strict=True):
-        assert torch.equal(ours, theirs)
+    assert_fused_call_equals_modules(model)
