@@ -22,8 +22,8 @@ For each GGUF file it measures:
   any other engine's agreement with it.
 
 The configurations: ``float32`` (the file's values, exact), the dtype ``auto`` gives
-with ``--quantization none`` (``serve``'s default) and with ``--quantization gguf``
-(the file's own blocks) where the native kernels take it, and ``--quantization
+with ``--quantization none`` and with ``--quantization gguf`` (the file's own blocks,
+``serve``'s default for a quantized file) where the native kernels take it, and ``--quantization
 gguf-llama-cpp`` (the file's values times activations rounded as llama.cpp rounds them).
 llama.cpp runs with ``--no-repack`` (its repacked AMX kernels crash on some AMX hosts)
 and its default float16 KV cache, or with what ``--llama-cpp-args`` adds to both
@@ -72,7 +72,8 @@ SERVER_START_S = 120
 
 def configurations() -> dict[str, dict]:
     """The engine options of each configuration measured on this host."""
-    configs = {"float32": {"dtype": "float32"}, "none": {"dtype": "auto"},
+    configs = {"float32": {"dtype": "float32", "quantization": "none"},
+               "none": {"dtype": "auto", "quantization": "none"},
                "gguf-llama-cpp": {"quantization": "gguf-llama-cpp"}}
     if GGUFFormat.supports(resolve_dtype("auto", torch.device("cpu")), native_kernels()):
         configs["gguf"] = {"dtype": "auto", "quantization": "gguf"}
