@@ -51,7 +51,8 @@ from tokenmill.options import add_options, options_from
 CPU = torch.device("cpu")
 TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests",
                     "data", "public_domain.txt")
-CONFIGS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
+CONFIGS = {"float32": {"dtype": "float32", "quantization": "none"},
+           "bfloat16": {"dtype": "bfloat16", "quantization": "none"},
            "int8": {"dtype": "auto", "quantization": "int8"},
            "int4": {"dtype": "auto", "quantization": "int4"},
            "w4a8": {"dtype": "auto", "quantization": "w4a8"},
