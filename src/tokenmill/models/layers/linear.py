@@ -105,8 +105,10 @@ class GatedLinear(Linear):
     def pack(self) -> None:
         if self.packed is not None:
             return
+        # gated from the plain weight alone: one packed from a file's rows was not written
         gated = (self.weight_format.pack_silu_gated(self.weight.data)
-                 if self._silu and self.weight_format is not None else None)
+                 if self._silu and self.weight_format is not None and not self.file_rows
+                 else None)
         if gated is None:
             super().pack()
             return
