@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import os
 import sys
@@ -31,7 +32,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report_file import write_report  # noqa: E402  (sibling module)
-from structured import free_port, start_server  # noqa: E402
+from serve import running_server  # noqa: E402  (sibling module)
 
 WORDS = ("river stone lantern orchard copper meadow harbor violet engine signal "
          "quiet canyon amber thread window garden silver market forest ladder").split()
@@ -108,18 +109,10 @@ def main() -> None:
     parser.add_argument("--embed-batch", type=int, default=8)
     parser.add_argument("--out", help="write the report as JSON here")
     args, extra = parser.parse_known_args()
-    process = None
-    base_url = args.base_url
-    if base_url is None:
-        port = free_port()
-        process = start_server(port, extra)
-        base_url = f"http://127.0.0.1:{port}"
-    try:
+    server = (contextlib.nullcontext(args.base_url) if args.base_url
+              else running_server(None, extra))
+    with server as base_url:
         report = asyncio.run(run(base_url, args))
-    finally:
-        if process is not None:
-            process.terminate()
-            process.wait(timeout=60)
     print(f"c{report['streams']} generation: {report['alone']['tok_s']:.1f} tok/s alone, "
           f"{report['shared']['tok_s']:.1f} tok/s beside embeddings "
           f"({report['ratio']:.2f}x; {report['shared']['embedded_inputs_per_s']:.1f} "
